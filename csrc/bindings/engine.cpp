@@ -1,0 +1,132 @@
+// Bindings of the C++ engine (core/engine.h): config and weight specs filled by src/lily/checkpoint.py,
+// Engine and Session driven by src/lily/engine.py.
+#include "../core/engine.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "../backends/reference/reference.h"
+
+namespace nb = nanobind;
+using namespace lily;
+
+using TokenArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using FloatArray = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
+
+static FloatArray to_numpy(std::vector<float>&& v, size_t rows, size_t cols) {
+  auto* heap = new std::vector<float>(std::move(v));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  return FloatArray(heap->data(), {rows, cols}, owner);
+}
+
+static std::unique_ptr<Backend> make_backend(const std::string& name, const Model& model, int max_rows, int threads) {
+  if (name == "reference") return make_reference_backend(model, max_rows, threads);
+  throw std::invalid_argument("[engine] unknown backend '" + name + "' (available: reference)");
+}
+
+void init_engine(nb::module_& m) {
+  nb::enum_<DType>(m, "DType").value("f32", DType::f32).value("bf16", DType::bf16).value("f16", DType::f16).value("u32", DType::u32);
+
+  nb::class_<ModelConfig>(m, "ModelConfig")
+      .def(nb::init<>())
+      .def_rw("vocab", &ModelConfig::vocab)
+      .def_rw("hidden", &ModelConfig::hidden)
+      .def_rw("layers", &ModelConfig::layers)
+      .def_rw("n_q", &ModelConfig::n_q)
+      .def_rw("n_kv", &ModelConfig::n_kv)
+      .def_rw("head_dim", &ModelConfig::head_dim)
+      .def_rw("rotary_dim", &ModelConfig::rotary_dim)
+      .def_rw("rope_theta", &ModelConfig::rope_theta)
+      .def_rw("lin_nk", &ModelConfig::lin_nk)
+      .def_rw("lin_nv", &ModelConfig::lin_nv)
+      .def_rw("lin_dk", &ModelConfig::lin_dk)
+      .def_rw("lin_dv", &ModelConfig::lin_dv)
+      .def_rw("conv_kernel", &ModelConfig::conv_kernel)
+      .def_rw("experts", &ModelConfig::experts)
+      .def_rw("top_k", &ModelConfig::top_k)
+      .def_rw("moe_inter", &ModelConfig::moe_inter)
+      .def_rw("shared_inter", &ModelConfig::shared_inter)
+      .def_rw("rms_eps", &ModelConfig::rms_eps)
+      .def_rw("max_position", &ModelConfig::max_position)
+      .def_rw("full_attention", &ModelConfig::full_attention)
+      .def("validate", &ModelConfig::validate);
+
+  nb::class_<TensorRef>(m, "TensorRef")
+      .def(nb::init<>())
+      .def_rw("file", &TensorRef::file)
+      .def_rw("offset", &TensorRef::offset)
+      .def_rw("nbytes", &TensorRef::nbytes)
+      .def_rw("dtype", &TensorRef::dtype)
+      .def_rw("shape", &TensorRef::shape);
+
+  nb::class_<WeightSpec>(m, "WeightSpec")
+      .def(nb::init<>())
+      .def_rw("name", &WeightSpec::name)
+      .def_rw("w", &WeightSpec::w)
+      .def_rw("scales", &WeightSpec::scales)
+      .def_rw("biases", &WeightSpec::biases)
+      .def_rw("bits", &WeightSpec::bits)
+      .def_rw("group", &WeightSpec::group)
+      .def_rw("experts", &WeightSpec::experts)
+      .def_rw("rows", &WeightSpec::rows)
+      .def_rw("cols", &WeightSpec::cols)
+      .def_rw("stored_rows", &WeightSpec::stored_rows)
+      .def_rw("row_offset", &WeightSpec::row_offset)
+      .def_rw("add_one", &WeightSpec::add_one);
+
+  nb::class_<Model>(m, "Model")
+      .def(nb::init<ModelConfig, const std::vector<std::string>&, const std::vector<WeightSpec>&>(),
+           nb::arg("config"), nb::arg("files"), nb::arg("specs"))
+      .def_prop_ro("config", [](const Model& mo) { return mo.config(); });
+
+  nb::class_<Session>(m, "Session")
+      .def_prop_ro("position", [](const Session& s) { return s.state->pos; })
+      .def_prop_ro("tokens", [](const Session& s) { return s.tokens; })
+      .def_ro("prefilled", &Session::prefilled)
+      .def_ro("decoded", &Session::decoded);
+
+  nb::class_<Engine>(m, "Engine")
+      .def("__init__",
+           [](Engine* self, std::shared_ptr<Model> model, const std::string& backend, int max_rows, int threads,
+              int64_t max_context) {
+             auto b = make_backend(backend, *model, max_rows, threads);
+             new (self) Engine(std::move(model), std::move(b), max_context);
+           },
+           nb::arg("model"), nb::arg("backend") = "reference", nb::arg("max_rows") = 512, nb::arg("threads") = 0,
+           nb::arg("max_context") = 262144)
+      .def_prop_ro("backend", [](Engine& e) { return e.backend().name(); })
+      .def_prop_ro("max_rows", [](Engine& e) { return e.backend().max_rows(); })
+      .def_prop_ro("max_context", &Engine::max_context)
+      .def("new_session", &Engine::new_session)
+      .def("clone_session", &Engine::clone_session)
+      .def(
+          "logits",
+          [](Engine& e, Session& s, TokenArray tokens, int chunk) {
+            const int64_t n = int64_t(tokens.shape(0));
+            std::vector<float> out;
+            {
+              nb::gil_scoped_release nogil;
+              out = e.logits(s, tokens.data(), n, chunk);
+            }
+            return to_numpy(std::move(out), size_t(n), size_t(e.model().config().vocab));
+          },
+          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0)
+      .def(
+          "generate_greedy",
+          [](Engine& e, Session& s, TokenArray prompt, int64_t max_tokens, const std::vector<int32_t>& stop_ids,
+             const std::function<bool(int32_t)>& on_token, int chunk) {
+            std::function<bool(int32_t)> cb;
+            if (on_token) cb = [&](int32_t t) { nb::gil_scoped_acquire gil; return on_token(t); };
+            nb::gil_scoped_release nogil;
+            return e.generate_greedy(s, prompt.data(), int64_t(prompt.shape(0)), max_tokens, stop_ids, cb, chunk);
+          },
+          nb::arg("session"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_ids"),
+          nb::arg("on_token") = nb::none(), nb::arg("chunk") = 0);
+}

@@ -1,0 +1,86 @@
+// The op interface every backend implements, at the granularity of the write-up's fused kernels.
+// The schedule (prefill.cpp, decode.cpp) is written once against it: which op, in what order, on which
+// activation buffer. Backends decide how: backends/reference runs plain fp32 C++, backends/metal records
+// Metal kernels into a command buffer (on a Mac, or through the MSL emulator anywhere).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/weights.h"
+
+namespace lily {
+
+// Activation buffers the schedule names. A backend owns storage for max_rows() rows of each; rows are
+// contiguous, row-major, with the widths below.
+enum class Act : uint8_t {
+  x,       // [T, H] residual stream
+  xn,      // [T, H] RMSNorm output feeding the current sub-block
+  qkv,     // GDN: [T, C] projected q‖k‖v before the causal conv
+  z,       // GDN: [T, V_dim] output gate
+  beta,    // GDN: [T, n_v] β logits
+  alpha,   // GDN: [T, n_v] decay input a
+  q_gate,  // attention: [T, 2·n_q·d], per head d query values then d gate values
+  k,       // attention: [T, n_kv·d]
+  v,       // attention: [T, n_kv·d]
+  mix,     // [T, max(V_dim, n_q·d)] mixer output, input of the out projection
+  logits,  // [T, V]
+  count
+};
+const char* act_name(Act a);
+
+// Per-session model state: KV cache of the attention layers, conv and recurrent state of the GDN layers.
+struct State {
+  virtual ~State() = default;
+  int64_t pos = 0;       // tokens already processed
+  int64_t capacity = 0;  // KV rows allocated per attention layer
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual int max_rows() const = 0;  // rows one prefill chunk may have
+
+  // ---- session state ----
+  virtual std::unique_ptr<State> new_state() = 0;
+  // Grow the KV cache so `tokens` positions fit; contents are kept.
+  virtual void reserve(State& s, int64_t tokens) = 0;
+  virtual std::unique_ptr<State> clone_state(const State& s) = 0;
+  virtual void bind(State* s) = 0;  // the state the ops below read and update
+
+  // ---- ops of one prefill chunk or decode step: T rows at positions [pos, pos + T) ----
+  virtual void embed(const int32_t* tokens, int T) = 0;                 // x ← E[tokens]
+  virtual void rmsnorm(Act in, Act out, const Vec& w, int T) = 0;      // out ← RMSNorm(in) · w
+  // out ← W·in, or out += W·in (the residual add of out projections).
+  virtual void project(Act in, Act out, const Linear& W, int T, bool accumulate) = 0;
+
+  // Gated DeltaNet: conv + SiLU, l2-norm of q/k, gates, delta-rule recurrence, gated RMSNorm.
+  // Reads qkv, z, beta, alpha; writes mix [T, V_dim]; updates the layer's conv and recurrent state.
+  virtual void gdn_prefill(int layer, int T) = 0;  // the scan over a chunk
+  virtual void gdn_decode(int layer) = 0;          // one fused step
+
+  // Gated attention. prepare: q/k RMSNorm + RoPE, K/V written into the cache at [pos, pos + T).
+  virtual void attn_prepare(int layer, int T, int64_t pos) = 0;
+  // mix ← softmax(q·Kᵀ/√d, causal) · V ⊙ σ(gate), over the cache rows [0, pos + t] for row t.
+  virtual void attn_prefill(int layer, int T, int64_t pos) = 0;
+  virtual void attn_decode(int layer, int64_t pos) = 0;
+
+  // MoE FFN: router softmax, top-k, renormalise; routed SwiGLU experts and the gated shared expert.
+  // x += MoE(xn).
+  virtual void moe_route(int layer, int T) = 0;
+  virtual void moe_prefill(int layer, int T) = 0;  // grouped by expert (histogram, scan, scatter, GEMM)
+  virtual void moe_decode(int layer) = 0;          // fused per-expert GEMVs for one row
+
+  // logits rows [0, rows) ← lm_head · RMSNorm(x rows [first, first + rows)).
+  virtual void lm_head(int first, int rows) = 0;
+
+  // ---- submission ----
+  virtual void begin() {}   // start recording a chunk / step
+  virtual void commit() {}  // submit what was recorded (asynchronous on a GPU)
+  // Wait for submitted work and copy logits rows [0, rows) to host memory [rows, V].
+  virtual void read_logits(float* out, int rows) = 0;
+};
+
+}  // namespace lily

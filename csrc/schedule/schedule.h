@@ -1,0 +1,18 @@
+// The model's schedule, written once for every backend: one prefill chunk and one decode
+// step, both in schedule.cpp. Called by the generation loop in core/engine.cpp; calls the ops of backend.h.
+#pragma once
+#include "backend.h"
+
+namespace lily::schedule {
+
+// Which rows of a chunk need logits: none (an inner chunk of a long prompt), the last, or all (teacher forcing).
+enum class Logits : uint8_t { none, last, all };
+
+// Runs T <= backend.max_rows() prompt tokens at positions [state.pos, state.pos + T) and advances state.pos.
+// Returns the number of logits rows produced (0, 1 or T).
+int prefill_chunk(Backend& b, const Model& m, State& s, const int32_t* tokens, int T, Logits want);
+
+// One token at position state.pos; produces one logits row and advances state.pos.
+void decode_step(Backend& b, const Model& m, State& s, int32_t token);
+
+}  // namespace lily::schedule

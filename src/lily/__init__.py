@@ -1,0 +1,10 @@
+"""Lily: a lightweight inference engine for Qwen3.6-35B-A3B (qwen3_5_moe).
+
+    import lily
+    engine = lily.Engine.from_pretrained("mlx-community/Qwen3.6-35B-A3B-4bit")
+    print(engine.generate("Hello", max_tokens=32).text)
+"""
+from .engine import Engine, Session
+
+__all__ = ["Engine", "Session"]
+__version__ = "0.1.0"
