@@ -1,0 +1,117 @@
+// The encoders: one function per kernel family op, in portable C++ over the Device (device.h). Each fills
+// its <Family>Args struct from metal/lily_args.h, picks a KernelId, sizes the grid, and declares how it
+// uses every buffer (so the Encoder derives barriers). The backend glue (metal_backend.cpp) calls them in
+// the order of the schedule; tests call them one by one through csrc/bindings/kernels.cpp.
+//
+// Data formats on the device (shared by every family):
+//   x (residual stream) f32 [T, H]; every other activation bf16 [T, width]; logits f32 [T, V];
+//   KV cache bf16 [n_kv, capacity, d]; GDN conv state f32 [k_c - 1, C]; GDN recurrent state f32
+//   [n_v, d_k, d_v]; routing ids int32 [T, k] and weights f32 [T, k]; tokens int32.
+//   Weights as stored: MLX affine 4/8-bit groups of 64 with bf16 scales/biases, or bf16.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "../../core/weights.h"
+#include "device.h"
+#include "lily_args.h"
+
+namespace lily::metal {
+
+// A buffer plus a byte offset into it.
+struct View {
+  Buffer* buffer = nullptr;
+  uint64_t offset = 0;
+  View at(uint64_t bytes) const { return {buffer, offset + bytes}; }
+};
+
+// A core Linear (weights.h) on the device: the mapped file(s) wrapped as Buffers, with offsets and strides.
+struct DeviceMatrix {
+  LilyWeightFormat format = LILY_W_BF16;
+  Buffer* w = nullptr;
+  Buffer* scales = nullptr;  // quantised formats only
+  Buffer* biases = nullptr;
+  uint64_t w_offset = 0, s_offset = 0, b_offset = 0;  // of logical row 0 of expert 0
+  int32_t rows = 0, cols = 0, experts = 0;
+  uint64_t w_row_bytes = 0, s_row_bytes = 0, w_expert_bytes = 0, s_expert_bytes = 0;
+  uint64_t matrix_bytes = 0;  // bytes one use of one expert's (or the dense) matrix reads: the minimum
+};
+
+// A small fp32 parameter vector (norm weights, A_log, dt_bias, conv filter) uploaded once.
+struct DeviceVec {
+  Buffer* buffer = nullptr;
+  uint64_t offset = 0;
+  int32_t size = 0;
+};
+
+// ---------------------------------------------------------------- common (metal/common.metal)
+// x[t] ← dequantised E[tokens[t]]   (tokens int32 [T], x f32 [T, H])
+void encode_embed(Encoder& enc, const DeviceMatrix& E, View tokens, View x, int T);
+// out[t] ← bf16( x̂[t] · w ), x̂ = in · rsqrt(mean(in²) + eps)   (in f32 [T, n], out bf16 [T, n])
+void encode_rmsnorm(Encoder& enc, View in, const DeviceVec& w, View out, int T, int n, float eps);
+// token_slot ← argmax(logits[0, :V])   (greedy selection on the device, into the next step's input slot)
+void encode_argmax(Encoder& enc, View logits, int V, View token_slot);
+
+// ---------------------------------------------------------------- dense (metal/qgemv.metal, metal/qgemm.metal)
+enum class OutMode : uint8_t { bf16, f32, f32_add };  // store bf16 / store f32 / add into f32 (residual)
+// out[t, r] (op)= Σ_c W[r, c] · in[t, c]  (in bf16 [T, cols]). T == 1 runs the row-parallel GEMV;
+// T > 1 the tiled GEMM that dequantises a weight tile into threadgroup memory (never a bf16 copy of W).
+void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode);
+
+// ---------------------------------------------------------------- moe (metal/moe.metal)
+struct MoeDevice {
+  DeviceMatrix router;                           // [E, H] (8-bit in the published checkpoint)
+  DeviceMatrix gate, up, down;                   // experts [E, I, H], [E, I, H], [E, H, I]
+  DeviceMatrix shared_gate_proj, shared_up, shared_down;  // [I_s, H], [I_s, H], [H, I_s]
+  DeviceMatrix shared_gate;                      // [1, H]
+  int32_t hidden = 0, experts = 0, top_k = 0, inter = 0, shared_inter = 0;
+};
+// Per-backend scratch of the MoE family, allocated once for max_rows by the family (moe.cpp).
+struct MoeScratch;
+std::shared_ptr<MoeScratch> make_moe_scratch(Device& dev, const MoeDevice& M, int max_rows);
+// Router logits, softmax, top-k, renormalise: ids int32 [T, k], weights f32 [T, k].
+void encode_moe_route(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, int T, View ids, View weights);
+// Prefill: histogram → prefix scan → scatter → block map → grouped GEMMs (gate/up + SwiGLU, down +
+// routing weight) → combine with the shared expert: x[t] += MoE(xn[t]). No CPU wait inside.
+void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, int T, View x);
+// Decode (T = 1): fused gate/up + SwiGLU per selected expert and the shared expert; fused down + routing
+// weight + shared expert gate, added into x.
+void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x);
+
+// ---------------------------------------------------------------- gdn (metal/gdn.metal)
+struct GdnDevice {
+  DeviceVec conv;      // [C, k_c]
+  DeviceVec A_log, dt_bias;  // [n_v]
+  DeviceVec norm;      // [d_v]
+  int32_t nk = 0, nv = 0, dk = 0, dv = 0, conv_kernel = 0;
+  float eps = 1e-6f;   // rms_norm_eps of the gated norm (the l2-norm eps is the fixed 1e-6)
+};
+struct GdnScratch;
+std::shared_ptr<GdnScratch> make_gdn_scratch(Device& dev, const GdnDevice& G, int max_rows);
+// Prefill over T rows: causal conv + SiLU (conv state carried), l2-norm q/k, gates, the register-resident
+// delta-rule scan (one simdgroup per state column), gated RMSNorm → out bf16 [T, V_dim].
+void encode_gdn_prefill(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv, View z, View beta, View alpha,
+                        int T, View conv_state, View rec_state, View out);
+// Decode: one fused step (conv + l2norm + gates + update + gated norm).
+void encode_gdn_decode(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv, View z, View beta, View alpha,
+                       View conv_state, View rec_state, View out);
+
+// ---------------------------------------------------------------- attn (metal/attn.metal)
+struct AttnDevice {
+  DeviceVec q_norm, k_norm;  // [d], effective 1 + w
+  int32_t n_q = 0, n_kv = 0, head_dim = 0, rotary_dim = 0;
+  float rope_theta = 0.f, eps = 1e-6f;
+};
+struct AttnScratch;
+std::shared_ptr<AttnScratch> make_attn_scratch(Device& dev, const AttnDevice& A, int max_rows);
+// q/k RMSNorm + RoPE, K/V written into the cache rows [pos, pos + T); normed queries kept in scratch.
+void encode_attn_prepare(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, View k, View v, int T,
+                         int64_t pos, View k_cache, View v_cache, int64_t capacity);
+// Causal attention of T rows over the cache, ⊙ σ(gate) → out bf16 [T, n_q·d].
+void encode_attn_prefill(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int T, int64_t pos,
+                         View k_cache, View v_cache, int64_t capacity, View out);
+// Decode: GQA-packed (each KV row loaded once for the query heads that share it).
+void encode_attn_decode(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int64_t pos,
+                        View k_cache, View v_cache, int64_t capacity, View out);
+
+}  // namespace lily::metal
