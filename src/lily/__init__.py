@@ -4,7 +4,8 @@
     engine = lily.Engine.from_pretrained("mlx-community/Qwen3.6-35B-A3B-4bit")
     print(engine.generate("Hello", max_tokens=32).text)
 """
-from .engine import Engine, Session
+from .checkpoint import CheckpointError
+from .engine import Completion, ContextLimitError, Engine, Session
 
-__all__ = ["Engine", "Session"]
+__all__ = ["CheckpointError", "Completion", "ContextLimitError", "Engine", "Session"]
 __version__ = "0.1.0"

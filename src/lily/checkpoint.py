@@ -226,6 +226,7 @@ def load_config(model_dir: str | os.PathLike) -> Qwen36Config:
 
 @dataclass
 class _Tensor:
+    name: str  # as written in the checkpoint
     file: int
     path: Path
     dtype: str
@@ -276,7 +277,7 @@ def read_safetensors_header(path: Path, file_index: int = 0) -> dict[str, _Tenso
         if base + e > size:
             raise CheckpointError(f"{path}: tensor {name} ends at byte {base + e} but the file has {size} bytes (truncated)")
         spans.append((b, e, name))
-        out[name] = _Tensor(file_index, path, dtype, shape, base + b, e - b)
+        out[name] = _Tensor(name, file_index, path, dtype, shape, base + b, e - b)
     spans.sort()
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
@@ -447,7 +448,7 @@ def _spec(cname: str, kind: str, shape: tuple[int, ...], by_canon: dict[str, _Te
     key, w = _find(by_canon, cname, suffixes, root, used)
 
     def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{w.path}: tensor {key}: {what}")
+        return CheckpointError(f"{w.path}: tensor {w.name}: {what}")
 
     if kind in ("vector", "conv"):
         n = math.prod(shape)
@@ -482,10 +483,10 @@ def _spec(cname: str, kind: str, shape: tuple[int, ...], by_canon: dict[str, _Te
         raise bad(f"shape {list(w.shape)} does not pack [{', '.join(map(str, lead + (rows, cols)))}]")
     bits = w.shape[-1] * 32 // cols
     if len(scales.shape) != len(lead) + 2 or scales.shape[:-1] != lead + (rows,) or cols % scales.shape[-1]:
-        raise CheckpointError(f"{scales.path}: tensor {cname}.scales: shape {list(scales.shape)} does not match {key} {list(w.shape)}")
+        raise CheckpointError(f"{scales.path}: tensor {scales.name}: shape {list(scales.shape)} does not match {w.name} {list(w.shape)}")
     group = cols // scales.shape[-1]
     if biases.shape != scales.shape or biases.dtype != scales.dtype or scales.dtype not in _FLOAT_DTYPES:
-        raise CheckpointError(f"{biases.path}: tensor {cname}.biases: {biases.dtype}{list(biases.shape)} must match "
+        raise CheckpointError(f"{biases.path}: tensor {biases.name}: {biases.dtype}{list(biases.shape)} must match "
                               f".scales {scales.dtype}{list(scales.shape)}")
     declared = _declared_quant(config.quantization, cname)
     if declared is not None and declared != (bits, group):
@@ -522,9 +523,9 @@ def _hf_expert_spec(cname: str, shape: tuple[int, ...], by_canon: dict[str, _Ten
         raise CheckpointError(f"missing tensor model.language_model.{fused}")
     stored = 2 * rows if which != "down_proj" else rows
     if t.shape != (E, stored, cols):
-        raise CheckpointError(f"{t.path}: tensor {fused}: shape {list(t.shape)}, expected {[E, stored, cols]}")
+        raise CheckpointError(f"{t.path}: tensor {t.name}: shape {list(t.shape)}, expected {[E, stored, cols]}")
     if t.dtype not in _FLOAT_DTYPES:
-        raise CheckpointError(f"{t.path}: tensor {fused}: dtype {t.dtype}, expected a float type")
+        raise CheckpointError(f"{t.path}: tensor {t.name}: dtype {t.dtype}, expected a float type")
     spec = _core.WeightSpec()
     spec.name, spec.w = cname, t.ref()
     spec.rows, spec.cols, spec.experts, spec.stored_rows = rows, cols, E, stored

@@ -23,6 +23,10 @@ from .tokenizer import Tokenizer
 BACKENDS = ("reference",)
 
 
+class ContextLimitError(ValueError):
+    """A request that would not fit the session's context limit; raised before any work is done."""
+
+
 class Session:
     """One conversation's model state (KV cache, conv and recurrent state) and the tokens it has seen."""
 
@@ -105,24 +109,38 @@ class Engine:
     def logits(self, token_ids, session: Session | None = None, *, chunk_size: int | None = None) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) for every position of `token_ids`, continuing the
         session's state when one is given (the session then includes these tokens)."""
-        ids = _as_ids(token_ids)
+        ids = _as_ids(token_ids, self.config.vocab_size)
         s = session or self.new_session()
+        self._check_context(s, len(ids))
         return self._core.logits(s._core, ids, chunk_size or 0)
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 64, *, session: Session | None = None) -> Completion:
-        """Greedy generation from a text or token prompt."""
-        ids = _as_ids(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+    def _check_context(self, session: Session, n: int) -> None:
+        if session.position + n > self.max_context:
+            raise ContextLimitError(f"context limit exceeded: {session.position} cached + {n} new tokens > "
+                                    f"max_context {self.max_context}")
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 64, *, session: Session | None = None,
+                 on_token=None) -> Completion:
+        """Greedy generation from a text or token prompt. on_token(id) is called as each token is decoded;
+        returning False stops generation."""
+        ids = _as_ids(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, self.config.vocab_size)
         s = session or self.new_session()
-        out = self._core.generate_greedy(s._core, ids, max_tokens, self.config.eos_token_id)
+        self._check_context(s, len(ids))
+        max_tokens = min(max_tokens, self.max_context - s.position - len(ids))
+        out = self._core.generate_greedy(s._core, ids, max_tokens, self.config.eos_token_id,
+                                         (lambda t: on_token(t) is not False) if on_token else None)
         stopped = bool(out) and out[-1] in self.config.eos_token_id
         text_ids = out[:-1] if stopped else out
         return Completion(self.tokenizer.decode(text_ids), list(out), "stop" if stopped else "length", len(ids))
 
 
-def _as_ids(token_ids) -> np.ndarray:
+def _as_ids(token_ids, vocab: int) -> np.ndarray:
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"token_ids must be integers, got {ids.dtype}")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        raise IndexError(f"token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the vocabulary [0, {vocab})")
     return np.ascontiguousarray(ids, dtype=np.int32)
