@@ -119,6 +119,17 @@ void init_engine(nb::module_& m) {
           },
           nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0)
       .def(
+          "feed",
+          [](Engine& e, Session& s, TokenArray tokens, int chunk) {
+            std::vector<float> out;
+            {
+              nb::gil_scoped_release nogil;
+              out = e.feed(s, tokens.data(), int64_t(tokens.shape(0)), chunk);
+            }
+            return to_numpy(std::move(out), 1, size_t(e.model().config().vocab));
+          },
+          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0)
+      .def(
           "generate_greedy",
           [](Engine& e, Session& s, TokenArray prompt, int64_t max_tokens, const std::vector<int32_t>& stop_ids,
              const std::function<bool(int32_t)>& on_token, int chunk) {

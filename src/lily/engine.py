@@ -114,6 +114,13 @@ class Engine:
         self._check_context(s, len(ids))
         return self._core.logits(s._core, ids, chunk_size or 0)
 
+    def prefill(self, token_ids, session: Session, *, chunk_size: int | None = None) -> np.ndarray:
+        """Feeds `token_ids` into the session (prefill chunks, or one decode step for a single token) and
+        returns the logits of the last one [vocab]; only that row goes through lm_head."""
+        ids = _as_ids(token_ids, self.config.vocab_size)
+        self._check_context(session, len(ids))
+        return self._core.feed(session._core, ids, chunk_size or 0)[0]
+
     def _check_context(self, session: Session, n: int) -> None:
         if session.position + n > self.max_context:
             raise ContextLimitError(f"context limit exceeded: {session.position} cached + {n} new tokens > "

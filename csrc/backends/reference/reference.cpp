@@ -15,6 +15,18 @@ namespace {
 
 // ---------------------------------------------------------------- dequantisation and dot products
 
+// Codes j0 … j0 + n of a packed row (little-endian within each uint32 word), dequantised.
+template <int BITS>
+inline void unpack_group(const uint8_t* row, int64_t j0, int64_t n, float scale, float bias, float* out) {
+  constexpr int per_word = 32 / BITS;
+  constexpr uint32_t mask = (1u << BITS) - 1;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(row) + j0 / per_word;
+  for (int64_t wi = 0; wi < n / per_word; ++wi) {
+    const uint32_t word = words[wi];
+    for (int k = 0; k < per_word; ++k) out[j0 + wi * per_word + k] = scale * float((word >> (BITS * k)) & mask) + bias;
+  }
+}
+
 // One logical row of W (expert e) as fp32. MLX affine groups: w = scale · q + bias, evaluated in fp32,
 // which reproduces MLX's dequantised weights bit for bit when its parameters are cast to fp32.
 void dequant_row(const Linear& W, int64_t e, int64_t r, float* out) {
@@ -37,11 +49,8 @@ void dequant_row(const Linear& W, int64_t e, int64_t r, float* out) {
     }
     throw std::logic_error("[reference] integer dense weight " + W.name);
   }
-  const uint32_t* q = reinterpret_cast<const uint32_t*>(w);
   const uint8_t* s = W.srow(e, r);
   const uint8_t* b = W.brow(e, r);
-  const int per_word = 32 / W.bits;
-  const uint32_t mask = (1u << W.bits) - 1;
   const int64_t groups = n / W.group;
   for (int64_t g = 0; g < groups; ++g) {
     float scale, bias;
@@ -55,10 +64,9 @@ void dequant_row(const Linear& W, int64_t e, int64_t r, float* out) {
       scale = W.sdtype == DType::bf16 ? bf16_to_f32(hs) : f16_to_f32(hs);
       bias = W.sdtype == DType::bf16 ? bf16_to_f32(hb) : f16_to_f32(hb);
     }
-    for (int64_t j = g * W.group; j < (g + 1) * W.group; ++j) {
-      const uint32_t code = (q[j / per_word] >> (W.bits * (j % per_word))) & mask;
-      out[j] = scale * float(code) + bias;
-    }
+    const int64_t j0 = g * W.group;
+    if (W.bits == 4) unpack_group<4>(w, j0, W.group, scale, bias, out);
+    else unpack_group<8>(w, j0, W.group, scale, bias, out);
   }
 }
 
@@ -122,7 +130,10 @@ class ReferenceBackend final : public Backend {
     width_[int(Act::v)] = c_.kv_dim();
     width_[int(Act::mix)] = std::max<int64_t>(c_.value_dim(), int64_t(c_.n_q) * c_.head_dim);
     width_[int(Act::logits)] = c_.vocab;
-    for (int a = 0; a < int(Act::count); ++a) act_[a].assign(size_t(rows_) * width_[a], 0.f);
+    // Logits rows are allocated on first use: all-position logits of a chunk are only for teacher forcing,
+    // and [max_rows, V] is half a GB at the real vocabulary.
+    for (int a = 0; a < int(Act::count); ++a)
+      act_[a].assign(size_t(a == int(Act::logits) ? 1 : rows_) * width_[a], 0.f);
     q_.assign(size_t(rows_) * c_.n_q * c_.head_dim, 0.f);
     route_ids_.assign(size_t(rows_) * c_.top_k, 0);
     route_w_.assign(size_t(rows_) * c_.top_k, 0.f);
@@ -254,6 +265,8 @@ class ReferenceBackend final : public Backend {
   void moe_decode(int layer) override { moe(layer, 1); }
 
   void lm_head(int first, int rows) override {
+    auto& logits = act_[int(Act::logits)];
+    if (logits.size() < size_t(rows) * c_.vocab) logits.resize(size_t(rows) * c_.vocab);
     for (int t = 0; t < rows; ++t) rms_normalise(row(Act::x, first + t), m_.norm.data(), c_.hidden, c_.rms_eps, row(Act::xn, t));
     matmul(m_.lm_head, 0, row(Act::xn, 0), width(Act::xn), rows, row(Act::logits, 0), width(Act::logits), false);
   }
