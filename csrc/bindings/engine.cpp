@@ -12,7 +12,9 @@
 
 #include <stdexcept>
 
+#include "../backends/metal/metal_backend.h"
 #include "../backends/reference/reference.h"
+#include "kernels.h"
 
 namespace nb = nanobind;
 using namespace lily;
@@ -26,9 +28,23 @@ static FloatArray to_numpy(std::vector<float>&& v, size_t rows, size_t cols) {
   return FloatArray(heap->data(), {rows, cols}, owner);
 }
 
-static std::unique_ptr<Backend> make_backend(const std::string& name, const Model& model, int max_rows, int threads) {
+// `library`: the emulated kernel library (lily/_metal_emu.so) for "metal-emu"; engine.py passes its path.
+static std::unique_ptr<Backend> make_backend(const std::string& name, const Model& model, int max_rows, int threads,
+                                             const std::string& library) {
   if (name == "reference") return make_reference_backend(model, max_rows, threads);
-  throw std::invalid_argument("[engine] unknown backend '" + name + "' (available: reference)");
+  if (name == "metal-emu") {
+    metal::EmuOptions o;
+    o.workers = threads;
+    return metal::make_metal_backend(model, metal::make_emu_device(library, o), max_rows);
+  }
+#ifdef __APPLE__
+  if (name == "metal") return metal::make_metal_backend(model, metal::make_metal_device(), max_rows);
+#else
+  if (name == "metal")
+    throw std::invalid_argument("[engine] backend 'metal' needs macOS on Apple silicon; use 'metal-emu' to run the "
+                                "same kernels in the emulator");
+#endif
+  throw std::invalid_argument("[engine] unknown backend '" + name + "' (available: reference, metal-emu, metal)");
 }
 
 void init_engine(nb::module_& m) {
@@ -95,12 +111,29 @@ void init_engine(nb::module_& m) {
   nb::class_<Engine>(m, "Engine")
       .def("__init__",
            [](Engine* self, std::shared_ptr<Model> model, const std::string& backend, int max_rows, int threads,
-              int64_t max_context) {
-             auto b = make_backend(backend, *model, max_rows, threads);
+              int64_t max_context, const std::string& library) {
+             auto b = make_backend(backend, *model, max_rows, threads, library);
              new (self) Engine(std::move(model), std::move(b), max_context);
            },
            nb::arg("model"), nb::arg("backend") = "reference", nb::arg("max_rows") = 512, nb::arg("threads") = 0,
-           nb::arg("max_context") = 262144)
+           nb::arg("max_context") = 262144, nb::arg("library") = "")
+      .def(
+          "counters",
+          [](Engine& e) {
+            // {"prefill": {"last": ..., "total": ...}, "decode": {...}}: what the device spent on the last
+            // prefill chunk / decode step, and on all of them (metal backends only; {} otherwise).
+            nb::dict d;
+            auto* mb = dynamic_cast<metal::MetalBackend*>(&e.backend());
+            if (!mb) return d;
+            for (auto [name, phase] : {std::pair{"prefill", metal::Phase::prefill}, std::pair{"decode", metal::Phase::decode}}) {
+              nb::dict p;
+              p["last"] = metal::counters_dict(mb->counters(phase, false));
+              p["total"] = metal::counters_dict(mb->counters(phase, true));
+              d[name] = p;
+            }
+            return d;
+          },
+          "Device counters per phase (dispatches, stages, cpu_waits, command_buffers, bytes by role).")
       .def_prop_ro("backend", [](Engine& e) { return e.backend().name(); })
       .def_prop_ro("max_rows", [](Engine& e) { return e.backend().max_rows(); })
       .def_prop_ro("max_context", &Engine::max_context)

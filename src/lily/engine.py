@@ -20,7 +20,7 @@ from . import _core
 from .checkpoint import Checkpoint, Qwen36Config, read_checkpoint, resolve
 from .tokenizer import Tokenizer
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "metal-emu", "metal")
 
 
 class ContextLimitError(ValueError):
@@ -80,7 +80,9 @@ class Engine:
             raise ValueError(f"max_context must be in [1, {limit}] (the model's max_position_embeddings), got {max_context}")
         self.max_context = max_context or limit
         self._model = checkpoint.core_model()
-        self._core = _core.Engine(self._model, backend, prefill_chunk, threads, self.max_context)
+        # metal-emu runs the .metal kernels in the emulator built next to this package (lily/_metal_emu.so).
+        library = str(Path(__file__).parent / "_metal_emu.so") if backend == "metal-emu" else ""
+        self._core = _core.Engine(self._model, backend, prefill_chunk, threads, self.max_context, library)
         self.backend = backend
         self.prefill_chunk = prefill_chunk
         self._tokenizer: Tokenizer | None = None
@@ -102,6 +104,13 @@ class Engine:
         if self._tokenizer is None:
             self._tokenizer = Tokenizer(self.path)
         return self._tokenizer
+
+    def counters(self) -> dict:
+        """What the device spent, per phase: {"prefill": {"last": c, "total": c}, "decode": {...}} where c has
+        dispatches, stages (dependency stages: barriers + 1), cpu_waits, command_buffers, and bytes_read /
+        bytes_written by buffer role (weights, kv, state, activations, io). "last" is the last prefill chunk
+        or decode step; "total" every one so far. Metal backends only (metal-emu counts bytes); {} otherwise."""
+        return self._core.counters()
 
     def new_session(self) -> Session:
         return Session(self, self._core.new_session())

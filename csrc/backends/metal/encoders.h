@@ -73,7 +73,9 @@ std::shared_ptr<MoeScratch> make_moe_scratch(Device& dev, const MoeDevice& M, in
 void encode_moe_route(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, int T, View ids, View weights);
 // Prefill: histogram → prefix scan → scatter → block map → grouped GEMMs (gate/up + SwiGLU, down +
 // routing weight) → combine with the shared expert: x[t] += MoE(xn[t]). No CPU wait inside.
-void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, int T, View x);
+// tile_rows: grouped-GEMM tile height, 0 = the rule in moe.cpp (moe_tile_rows), or force 16 / 32 (tests).
+void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, int T, View x,
+                        int tile_rows = 0);
 // Decode (T = 1): fused gate/up + SwiGLU per selected expert and the shared expert; fused down + routing
 // weight + shared expert gate, added into x.
 void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x);
@@ -104,14 +106,20 @@ struct AttnDevice {
 };
 struct AttnScratch;
 std::shared_ptr<AttnScratch> make_attn_scratch(Device& dev, const AttnDevice& A, int max_rows);
+// The normed + roped queries attn_prepare leaves in the scratch: bf16 [T, n_q, d] (tests read them).
+View attn_scratch_queries(AttnScratch& s);
 // q/k RMSNorm + RoPE, K/V written into the cache rows [pos, pos + T); normed queries kept in scratch.
 void encode_attn_prepare(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, View k, View v, int T,
                          int64_t pos, View k_cache, View v_cache, int64_t capacity);
 // Causal attention of T rows over the cache, ⊙ σ(gate) → out bf16 [T, n_q·d].
 void encode_attn_prefill(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int T, int64_t pos,
                          View k_cache, View v_cache, int64_t capacity, View out);
-// Decode: GQA-packed (each KV row loaded once for the query heads that share it).
+// Decode: GQA-packed (each KV row loaded once for the query heads that share it). `automatic` takes the
+// fixed-block (split-KV) path at contexts >= LILY_ATTN_SPLIT_MIN_CONTEXT for d = 256 and GQA 8, else the
+// general one; tests force either. split_block: keys per block of the split path (0 = LILY_ATTN_SPLIT_BLOCK).
+enum class AttnDecodePath : uint8_t { automatic, general, split };
 void encode_attn_decode(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int64_t pos,
-                        View k_cache, View v_cache, int64_t capacity, View out);
+                        View k_cache, View v_cache, int64_t capacity, View out,
+                        AttnDecodePath path = AttnDecodePath::automatic, int split_block = 0);
 
 }  // namespace lily::metal

@@ -1,0 +1,176 @@
+// The attention family's encoders (metal/attn.metal): the fused q/k norm + RoPE + KV-cache write, causal
+// prefill attention over the cache, and GQA-packed decode attention with its long-context fixed-block
+// (split-KV) path. Previous hop: the Metal backend glue (and csrc/bindings/kernels_attn.cpp in tests);
+// next hop: Encoder::dispatch.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "encoders.h"
+
+namespace lily::metal {
+
+static_assert(sizeof(AttnPrepareArgs) == 36 && sizeof(AttnArgs) == 44);
+
+struct AttnScratch {
+  std::shared_ptr<Buffer> q;        // bf16 [max_rows, n_q, d]: normed + roped queries from attn_prepare
+  std::shared_ptr<Buffer> part_o;   // f32 [n_q, LILY_ATTN_SPLIT_MAX_BLOCKS, d]: split-path partial outputs
+  std::shared_ptr<Buffer> part_ml;  // f32 [n_q, LILY_ATTN_SPLIT_MAX_BLOCKS, 2]: split-path (max, sum)
+  int max_rows = 0;
+};
+
+namespace {
+
+std::string shape(const AttnDevice& A) {
+  return "n_q " + std::to_string(A.n_q) + ", n_kv " + std::to_string(A.n_kv) + ", d " + std::to_string(A.head_dim) +
+         ", r " + std::to_string(A.rotary_dim);
+}
+
+void check(const AttnDevice& A, const char* op) {
+  const bool ok = A.n_q > 0 && A.n_kv > 0 && A.n_q % A.n_kv == 0 &&
+                  (A.head_dim == 32 || A.head_dim == 64 || A.head_dim == 128 || A.head_dim == 256) &&
+                  A.rotary_dim >= 0 && A.rotary_dim <= A.head_dim && A.rotary_dim % 2 == 0;
+  if (!ok) throw std::invalid_argument(std::string("[") + op + "] unsupported shape (" + shape(A) + ")");
+}
+
+void check_rows(const AttnScratch& s, int T, int64_t pos, int64_t capacity, const char* op) {
+  if (T < 1 || T > s.max_rows)
+    throw std::out_of_range(std::string("[") + op + "] " + std::to_string(T) + " rows, scratch holds " +
+                            std::to_string(s.max_rows));
+  if (pos < 0 || pos + T > capacity || capacity > INT32_MAX)
+    throw std::out_of_range(std::string("[") + op + "] rows [" + std::to_string(pos) + ", " + std::to_string(pos + T) +
+                            ") outside the cache capacity " + std::to_string(capacity));
+}
+
+// Query heads per threadgroup: up to LILY_ATTN_PACK_HEADS of the heads sharing a KV head (a divisor of the group).
+int pack_of(const AttnDevice& A) {
+  const int group = A.n_q / A.n_kv;
+  for (int p = LILY_ATTN_PACK_HEADS; p > 1; p /= 2)
+    if (group % p == 0) return p;
+  return 1;
+}
+
+KernelId attn_kernel(int d, int mode) {  // mode: 0 prefill, 1 decode, 2 decode_split
+  static constexpr KernelId table[4][3] = {
+      {KernelId::attn_prefill_bf16_d32, KernelId::attn_decode_bf16_d32, KernelId::attn_decode_split_bf16_d32},
+      {KernelId::attn_prefill_bf16_d64, KernelId::attn_decode_bf16_d64, KernelId::attn_decode_split_bf16_d64},
+      {KernelId::attn_prefill_bf16_d128, KernelId::attn_decode_bf16_d128, KernelId::attn_decode_split_bf16_d128},
+      {KernelId::attn_prefill_bf16_d256, KernelId::attn_decode_bf16_d256, KernelId::attn_decode_split_bf16_d256}};
+  const int i = d == 32 ? 0 : d == 64 ? 1 : d == 128 ? 2 : 3;
+  return table[i][mode];
+}
+
+// attn_impl declares the split partials in every mode; the prefill and general decode modes never touch
+// them, but every declared buffer must be bound: a 4-byte read range adds no dependency worth a barrier.
+Binding unused_partial(AttnScratch& s, int slot) {
+  return {slot, slot == ATTN_PART_O ? s.part_o.get() : s.part_ml.get(), 0, Access::read, 4};
+}
+
+uint64_t cache_bytes(const AttnDevice& A, int64_t capacity) { return uint64_t(A.n_kv) * capacity * A.head_dim * 2; }
+
+}  // namespace
+
+std::shared_ptr<AttnScratch> make_attn_scratch(Device& dev, const AttnDevice& A, int max_rows) {
+  check(A, "attn");
+  if (max_rows <= 0) throw std::invalid_argument("[attn] max_rows must be positive");
+  auto s = std::make_shared<AttnScratch>();
+  s->max_rows = max_rows;
+  const uint64_t nd = uint64_t(A.n_q) * A.head_dim;
+  s->q = dev.alloc(uint64_t(max_rows) * nd * 2, Role::activations, "attn.q");
+  s->part_o = dev.alloc(nd * LILY_ATTN_SPLIT_MAX_BLOCKS * 4, Role::activations, "attn.part_o");
+  s->part_ml = dev.alloc(uint64_t(A.n_q) * LILY_ATTN_SPLIT_MAX_BLOCKS * 2 * 4, Role::activations, "attn.part_ml");
+  return s;
+}
+
+View attn_scratch_queries(AttnScratch& s) { return {s.q.get(), 0}; }
+
+void encode_attn_prepare(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, View k, View v, int T,
+                         int64_t pos, View k_cache, View v_cache, int64_t capacity) {
+  check(A, "attn_prepare");
+  check_rows(s, T, pos, capacity, "attn_prepare");
+  if (A.q_norm.size != A.head_dim || A.k_norm.size != A.head_dim)
+    throw std::invalid_argument("[attn_prepare] q/k norm weights of " + std::to_string(A.q_norm.size) + "/" +
+                                std::to_string(A.k_norm.size) + " for d " + std::to_string(A.head_dim));
+  const AttnPrepareArgs args{.T = T, .pos = int32_t(pos), .n_q = A.n_q, .n_kv = A.n_kv, .head_dim = A.head_dim,
+                             .rotary_dim = A.rotary_dim, .capacity = int32_t(capacity), .rope_theta = A.rope_theta,
+                             .eps = A.eps};
+  const uint64_t d = uint64_t(A.head_dim);
+  const int heads = A.n_q + A.n_kv;
+  const Grid groups{uint32_t((heads + LILY_ATTN_PREPARE_HEADS - 1) / LILY_ATTN_PREPARE_HEADS), uint32_t(T), 1};
+  const Grid threads{uint32_t(LILY_SIMD_WIDTH), uint32_t(LILY_ATTN_PREPARE_HEADS), 1};
+  enc.dispatch(KernelId::attn_prepare_bf16, groups, threads, args,
+               {{ATTN_PREPARE_Q_GATE, q_gate.buffer, q_gate.offset, Access::read, uint64_t(T) * A.n_q * 2 * d * 2},
+                {ATTN_PREPARE_K, k.buffer, k.offset, Access::read, uint64_t(T) * A.n_kv * d * 2},
+                {ATTN_PREPARE_V, v.buffer, v.offset, Access::read, uint64_t(T) * A.n_kv * d * 2},
+                {ATTN_PREPARE_Q_NORM, A.q_norm.buffer, A.q_norm.offset, Access::read, d * 4},
+                {ATTN_PREPARE_K_NORM, A.k_norm.buffer, A.k_norm.offset, Access::read, d * 4},
+                {ATTN_PREPARE_Q_OUT, s.q.get(), 0, Access::write, uint64_t(T) * A.n_q * d * 2},
+                // rows [pos, pos + T) of every KV head: declared as the whole cache (one range per binding)
+                {ATTN_PREPARE_K_CACHE, k_cache.buffer, k_cache.offset, Access::write, cache_bytes(A, capacity)},
+                {ATTN_PREPARE_V_CACHE, v_cache.buffer, v_cache.offset, Access::write, cache_bytes(A, capacity)}});
+}
+
+void encode_attn_prefill(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int T, int64_t pos,
+                         View k_cache, View v_cache, int64_t capacity, View out) {
+  check(A, "attn_prefill");
+  check_rows(s, T, pos, capacity, "attn_prefill");
+  const int pack = pack_of(A);
+  // Rows per threadgroup: fill LILY_ATTN_MAX_ITEMS simdgroups, so that each staged KV tile serves
+  // pack × rows (head, row) items; no more rows than the chunk has.
+  const int rows = std::min(LILY_ATTN_MAX_ITEMS / pack, T);
+  const AttnArgs args{.T = T, .pos = int32_t(pos), .n_q = A.n_q, .n_kv = A.n_kv, .head_dim = A.head_dim,
+                      .capacity = int32_t(capacity), .pack = pack, .rows = rows, .block = 0, .blocks = 1,
+                      .scale = 1.f / std::sqrt(float(A.head_dim))};
+  const uint64_t d = uint64_t(A.head_dim);
+  const Grid groups{uint32_t(A.n_q / pack), uint32_t((T + rows - 1) / rows), 1};
+  const Grid threads{uint32_t(LILY_SIMD_WIDTH * pack * rows), 1, 1};
+  enc.dispatch(attn_kernel(A.head_dim, 0), groups, threads, args,
+               {{ATTN_Q, s.q.get(), 0, Access::read, uint64_t(T) * A.n_q * d * 2},
+                {ATTN_Q_GATE, q_gate.buffer, q_gate.offset, Access::read, uint64_t(T) * A.n_q * 2 * d * 2},
+                {ATTN_K_CACHE, k_cache.buffer, k_cache.offset, Access::read, cache_bytes(A, capacity)},
+                {ATTN_V_CACHE, v_cache.buffer, v_cache.offset, Access::read, cache_bytes(A, capacity)},
+                {ATTN_OUT, out.buffer, out.offset, Access::write, uint64_t(T) * A.n_q * d * 2},
+                unused_partial(s, ATTN_PART_O), unused_partial(s, ATTN_PART_ML)});
+}
+
+void encode_attn_decode(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int64_t pos, View k_cache,
+                        View v_cache, int64_t capacity, View out, AttnDecodePath path, int split_block) {
+  check(A, "attn_decode");
+  check_rows(s, 1, pos, capacity, "attn_decode");
+  const int64_t context = pos + 1;
+  if (path == AttnDecodePath::automatic)
+    path = context >= LILY_ATTN_SPLIT_MIN_CONTEXT && A.head_dim == 256 && A.n_q / A.n_kv == 8 ? AttnDecodePath::split
+                                                                                               : AttnDecodePath::general;
+  const int pack = pack_of(A);
+  const uint64_t d = uint64_t(A.head_dim);
+  AttnArgs args{.T = 1, .pos = int32_t(pos), .n_q = A.n_q, .n_kv = A.n_kv, .head_dim = A.head_dim,
+                .capacity = int32_t(capacity), .pack = pack, .rows = 1, .block = 0, .blocks = 1,
+                .scale = 1.f / std::sqrt(float(A.head_dim))};
+  const Binding bq{ATTN_Q, s.q.get(), 0, Access::read, uint64_t(A.n_q) * d * 2};
+  const Binding bg{ATTN_Q_GATE, q_gate.buffer, q_gate.offset, Access::read, uint64_t(A.n_q) * 2 * d * 2};
+  const Binding bk{ATTN_K_CACHE, k_cache.buffer, k_cache.offset, Access::read, cache_bytes(A, capacity)};
+  const Binding bv{ATTN_V_CACHE, v_cache.buffer, v_cache.offset, Access::read, cache_bytes(A, capacity)};
+  const Binding bo{ATTN_OUT, out.buffer, out.offset, Access::write, uint64_t(A.n_q) * d * 2};
+  const Grid threads{uint32_t(LILY_SIMD_WIDTH * pack), 1, 1};
+  if (path == AttnDecodePath::general) {
+    enc.dispatch(attn_kernel(A.head_dim, 1), Grid{uint32_t(A.n_q / pack), 1, 1}, threads, args,
+                 {bq, bg, bk, bv, bo, unused_partial(s, ATTN_PART_O), unused_partial(s, ATTN_PART_ML)});
+    return;
+  }
+  // Fixed blocks of `block` keys; past LILY_ATTN_SPLIT_MAX_BLOCKS blocks the blocks grow instead.
+  int64_t block = split_block > 0 ? split_block : LILY_ATTN_SPLIT_BLOCK;
+  block = std::max<int64_t>(block, (context + LILY_ATTN_SPLIT_MAX_BLOCKS - 1) / LILY_ATTN_SPLIT_MAX_BLOCKS);
+  args.block = int32_t(block);
+  args.blocks = int32_t((context + block - 1) / block);
+  const uint64_t po_bytes = uint64_t(A.n_q) * args.blocks * d * 4, ml_bytes = uint64_t(A.n_q) * args.blocks * 2 * 4;
+  enc.dispatch(attn_kernel(A.head_dim, 2), Grid{uint32_t(A.n_q / pack), 1, uint32_t(args.blocks)}, threads, args,
+               {bq, bg, bk, bv, {ATTN_OUT, out.buffer, out.offset, Access::read, 2},  // bound, never touched
+                {ATTN_PART_O, s.part_o.get(), 0, Access::write, po_bytes},
+                {ATTN_PART_ML, s.part_ml.get(), 0, Access::write, ml_bytes}});
+  enc.dispatch(KernelId::attn_decode_merge_bf16, Grid{uint32_t(A.n_q), 1, 1}, Grid{uint32_t(d), 1, 1}, args,
+               {bg, bo, {ATTN_PART_O, s.part_o.get(), 0, Access::read, po_bytes},
+                {ATTN_PART_ML, s.part_ml.get(), 0, Access::read, ml_bytes}});
+}
+
+}  // namespace lily::metal

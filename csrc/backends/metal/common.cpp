@@ -1,0 +1,72 @@
+// The common family's encoders (metal/common.metal): embedding rows into the residual stream, RMSNorm to
+// bf16, and greedy token selection into the next step's input slot. Previous hop: the Metal backend glue
+// (and csrc/bindings/kernels_common.cpp in tests); next hop: Encoder::dispatch.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "encoders.h"
+
+namespace lily::metal {
+
+static_assert(sizeof(EmbedArgs) == 32 && sizeof(RmsNormArgs) == 16 && sizeof(ArgmaxArgs) == 8);
+
+void encode_embed(Encoder& enc, const DeviceMatrix& E, View tokens, View x, int T) {
+  if (T <= 0) return;
+  if (!E.w || E.rows <= 0 || E.cols <= 0)
+    throw std::invalid_argument("[embed] empty embedding matrix (rows " + std::to_string(E.rows) + ", cols " +
+                                std::to_string(E.cols) + ")");
+  const bool quant = E.format != LILY_W_BF16;
+  if (quant && E.cols % LILY_QGROUP != 0)
+    throw std::invalid_argument("[embed] quantised H = " + std::to_string(E.cols) + " is not a multiple of 64");
+  const EmbedArgs args{
+      .T = T, .H = E.cols, .V = E.rows, .pad = 0, .w_row_bytes = E.w_row_bytes, .s_row_bytes = E.s_row_bytes};
+  const KernelId k = E.format == LILY_W_Q4   ? KernelId::embed_q4_f32
+                     : E.format == LILY_W_Q8 ? KernelId::embed_q8_f32
+                                             : KernelId::embed_bf16_f32;
+  const uint64_t rows = uint64_t(E.rows);
+  const uint64_t w_bytes = (rows - 1) * E.w_row_bytes +
+                           (E.format == LILY_W_Q4 ? E.cols / 2 : E.format == LILY_W_Q8 ? E.cols : 2 * uint64_t(E.cols));
+  const uint64_t s_bytes = (rows - 1) * E.s_row_bytes + uint64_t(E.cols / LILY_QGROUP) * 2;
+  const int per_group = LILY_EMBED_THREADS * LILY_EMBED_VALUES;
+  const Grid groups{uint32_t((E.cols + per_group - 1) / per_group), uint32_t(T), 1};
+  const Grid threads{uint32_t(LILY_EMBED_THREADS), 1, 1};
+  // A bf16 E has no scales or biases; Metal wants every buffer argument bound, so those slots get the first
+  // 16 bytes of E (never read; a short range so that byte counters do not charge E's pages to them too).
+  const Binding bs = quant ? Binding{LILY_EMBED_SCALES, E.scales, E.s_offset, Access::read, s_bytes}
+                           : Binding{LILY_EMBED_SCALES, E.w, E.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+  const Binding bb = quant ? Binding{LILY_EMBED_BIASES, E.biases, E.b_offset, Access::read, s_bytes}
+                           : Binding{LILY_EMBED_BIASES, E.w, E.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+  enc.dispatch(k, groups, threads, args,
+               {{LILY_EMBED_W, E.w, E.w_offset, Access::read, w_bytes}, bs, bb,
+                {LILY_EMBED_TOKENS, tokens.buffer, tokens.offset, Access::read, uint64_t(T) * 4},
+                {LILY_EMBED_X, x.buffer, x.offset, Access::write, uint64_t(T) * E.cols * 4}});
+}
+
+void encode_rmsnorm(Encoder& enc, View in, const DeviceVec& w, View out, int T, int n, float eps) {
+  if (T <= 0) return;
+  if (n <= 0 || w.size != n)
+    throw std::invalid_argument("[rmsnorm] width " + std::to_string(n) + " vs weight of " + std::to_string(w.size));
+  const RmsNormArgs args{.T = T, .n = n, .eps = eps, .pad = 0};
+  // One thread per float4 of the row (n = 2048: 512 threads), at least one simdgroup, at most 1024.
+  const int per_thread = n % 4 == 0 ? 4 : 1;
+  int threads = (n / per_thread + LILY_SIMD_WIDTH - 1) / LILY_SIMD_WIDTH * LILY_SIMD_WIDTH;
+  threads = std::clamp(threads, int(LILY_SIMD_WIDTH), int(LILY_RMSNORM_MAX_THREADS));
+  enc.dispatch(KernelId::rmsnorm_f32_bf16, Grid{uint32_t(T), 1, 1}, Grid{uint32_t(threads), 1, 1}, args,
+               {{LILY_RMSNORM_IN, in.buffer, in.offset, Access::read, uint64_t(T) * n * 4},
+                {LILY_RMSNORM_W, w.buffer, w.offset, Access::read, uint64_t(n) * 4},
+                {LILY_RMSNORM_OUT, out.buffer, out.offset, Access::write, uint64_t(T) * n * 2}});
+}
+
+void encode_argmax(Encoder& enc, View logits, int V, View token_slot) {
+  if (V <= 0) throw std::invalid_argument("[argmax] empty vocabulary (V = " + std::to_string(V) + ")");
+  const ArgmaxArgs args{.V = V, .pad = 0};
+  // One threadgroup: a second pass (and a barrier) would cost more than the ~250 logits each of 1024 threads
+  // reads at V = 248320.
+  const int threads = std::min(int(LILY_ARGMAX_THREADS), (V + LILY_SIMD_WIDTH - 1) / LILY_SIMD_WIDTH * LILY_SIMD_WIDTH);
+  enc.dispatch(KernelId::argmax_f32, Grid{1, 1, 1}, Grid{uint32_t(threads), 1, 1}, args,
+               {{LILY_ARGMAX_LOGITS, logits.buffer, logits.offset, Access::read, uint64_t(V) * 4},
+                {LILY_ARGMAX_TOKEN, token_slot.buffer, token_slot.offset, Access::write, 4}});
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,86 @@
+// The dense family's encoder (metal/qgemv.metal, metal/qgemm.metal): y = W x for the attention, DeltaNet and
+// lm_head projections. Previous hop: the Metal backend glue (and csrc/bindings/kernels_dense.cpp in tests);
+// next hop: Encoder::dispatch.
+//
+// The rule: T == 1 runs the row-parallel GEMV, T > 1 the tiled GEMM. Decode (one row) reuses no weight, so
+// its cost is the bytes of W and the GEMV reads each exactly once with all lanes streaming; with two or more
+// rows the GEMM reads each weight tile once per 32 tokens instead of once per token. (The write-up found that
+// 2-5-row shapes are poor on this hardware either way; none occur outside speculative decoding, which Lily
+// does not do.)
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "encoders.h"
+
+namespace lily::metal {
+
+static_assert(sizeof(DenseArgs) == 40);
+// OutMode (encoders.h) indexes the kernel tables below and is the kernels' LilyOutMode template value.
+static_assert(int(OutMode::bf16) == LILY_OUT_BF16 && int(OutMode::f32) == LILY_OUT_F32 &&
+              int(OutMode::f32_add) == LILY_OUT_F32_ADD);
+static_assert(LILY_W_Q4 == 0 && LILY_W_Q8 == 1 && LILY_W_BF16 == 2);
+
+namespace {
+
+constexpr KernelId kGemv[3][3] = {
+    {KernelId::qgemv_q4_bf16, KernelId::qgemv_q4_f32, KernelId::qgemv_q4_f32add},
+    {KernelId::qgemv_q8_bf16, KernelId::qgemv_q8_f32, KernelId::qgemv_q8_f32add},
+    {KernelId::qgemv_bf16_bf16, KernelId::qgemv_bf16_f32, KernelId::qgemv_bf16_f32add},
+};
+constexpr KernelId kGemm[3][3] = {
+    {KernelId::qgemm_q4_bf16, KernelId::qgemm_q4_f32, KernelId::qgemm_q4_f32add},
+    {KernelId::qgemm_q8_bf16, KernelId::qgemm_q8_f32, KernelId::qgemm_q8_f32add},
+    {KernelId::qgemm_bf16_bf16, KernelId::qgemm_bf16_f32, KernelId::qgemm_bf16_f32add},
+};
+
+}  // namespace
+
+void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode) {
+  if (T <= 0) return;
+  const std::string shape = "W [" + std::to_string(W.rows) + ", " + std::to_string(W.cols) + "], T " + std::to_string(T);
+  if (!W.w || W.rows <= 0 || W.cols <= 0) throw std::invalid_argument("[project] empty matrix: " + shape);
+  if (W.format != LILY_W_Q4 && W.format != LILY_W_Q8 && W.format != LILY_W_BF16)
+    throw std::invalid_argument("[project] unknown weight format " + std::to_string(int(W.format)) + ": " + shape);
+  const bool quant = W.format != LILY_W_BF16;
+  if (quant && W.cols % LILY_QGROUP != 0)
+    throw std::invalid_argument("[project] quantised cols not a multiple of 64: " + shape);
+  const DenseArgs args{.T = T,
+                       .rows = W.rows,
+                       .cols = W.cols,
+                       .ld_in = W.cols,
+                       .ld_out = W.rows,
+                       .pad = 0,
+                       .w_row_bytes = W.w_row_bytes,
+                       .s_row_bytes = W.s_row_bytes};
+  const uint64_t rows = uint64_t(W.rows), cols = uint64_t(W.cols);
+  const uint64_t w_bytes = (rows - 1) * W.w_row_bytes + (W.format == LILY_W_Q4 ? cols / 2 : W.format == LILY_W_Q8 ? cols : 2 * cols);
+  const uint64_t s_bytes = (rows - 1) * W.s_row_bytes + cols / LILY_QGROUP * 2;
+  const uint64_t out_bytes = uint64_t(T) * rows * (mode == OutMode::bf16 ? 2 : 4);
+
+  Grid groups, threads;
+  KernelId k;
+  if (T == 1) {
+    const int rows_per_group = LILY_QGEMV_ROWS * LILY_QGEMV_SIMDGROUPS;
+    groups = Grid{uint32_t((W.rows + rows_per_group - 1) / rows_per_group), 1, 1};
+    threads = Grid{uint32_t(LILY_QGEMV_SIMDGROUPS * LILY_SIMD_WIDTH), 1, 1};
+    k = kGemv[W.format][int(mode)];
+  } else {
+    groups = Grid{uint32_t((W.rows + LILY_QGEMM_BN - 1) / LILY_QGEMM_BN), uint32_t((T + LILY_QGEMM_BM - 1) / LILY_QGEMM_BM), 1};
+    threads = Grid{uint32_t(LILY_QGEMM_THREADS), 1, 1};
+    k = kGemm[W.format][int(mode)];
+  }
+  // A bf16 W has no scales or biases; Metal wants every buffer argument bound, so those slots get the first
+  // 16 bytes of W (never read; a short range so that byte counters do not charge W's pages to them too).
+  const Binding bs = quant ? Binding{LILY_DENSE_SCALES, W.scales, W.s_offset, Access::read, s_bytes}
+                           : Binding{LILY_DENSE_SCALES, W.w, W.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+  const Binding bb = quant ? Binding{LILY_DENSE_BIASES, W.biases, W.b_offset, Access::read, s_bytes}
+                           : Binding{LILY_DENSE_BIASES, W.w, W.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+  enc.dispatch(k, groups, threads, args,
+               {{LILY_DENSE_W, W.w, W.w_offset, Access::read, w_bytes}, bs, bb,
+                {LILY_DENSE_IN, in.buffer, in.offset, Access::read, uint64_t(T) * cols * 2},
+                {LILY_DENSE_OUT, out.buffer, out.offset,
+                 mode == OutMode::f32_add ? Access::read_write : Access::write, out_bytes}});
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,89 @@
+// The portable half of the Device interface (device.h): the Encoder's derived barriers, Counters, roles.
+// Previous hop: the encoders (common.cpp, dense.cpp, moe.cpp, gdn.cpp, attn.cpp) call Encoder::dispatch
+// with the bindings they declare; next hop: the Device's do_dispatch / do_barrier (device_emu.cpp,
+// device_metal.mm).
+//
+// A barrier is a hazard check, as in ggml-metal-ops.cpp: the current stage remembers the byte ranges its
+// dispatches read and wrote since the last barrier. A new dispatch that reads a range the stage wrote
+// (read-after-write), writes a range the stage read or wrote (write-after-read/-write) ends the stage.
+// Reads of the same range never do: two readers may run concurrently.
+#include "device.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace lily::metal {
+
+const char* role_name(Role r) {
+  switch (r) {
+    case Role::weights: return "weights";
+    case Role::kv: return "kv";
+    case Role::state: return "state";
+    case Role::activations: return "activations";
+    case Role::io: return "io";
+    case Role::count: break;
+  }
+  return "?";
+}
+
+void Counters::add(const Counters& o) {
+  dispatches += o.dispatches;
+  stages += o.stages;
+  cpu_waits += o.cpu_waits;
+  command_buffers += o.command_buffers;
+  for (size_t i = 0; i < size_t(Role::count); ++i) {
+    bytes_read[i] += o.bytes_read[i];
+    bytes_written[i] += o.bytes_written[i];
+  }
+}
+
+namespace {
+bool overlaps(const Buffer* b, uint64_t begin, uint64_t end, const Buffer* b2, uint64_t begin2, uint64_t end2) {
+  return b == b2 && begin < end2 && begin2 < end;
+}
+}  // namespace
+
+void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
+                       std::initializer_list<Binding> bindings, uint32_t threadgroup_bytes) {
+  std::vector<Binding> list(bindings);
+  bool hazard = false;
+  for (const Binding& b : list) {
+    if (!b.buffer)
+      throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": buffer slot " +
+                                  std::to_string(b.slot) + " is null");
+    if (b.slot <= 0)
+      throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": slot " +
+                                  std::to_string(b.slot) + " (slot 0 holds the args struct)");
+    const uint64_t begin = b.offset;
+    const uint64_t end = b.bytes ? b.offset + b.bytes : b.buffer->size;
+    if (begin > b.buffer->size || end > b.buffer->size)
+      throw std::out_of_range(std::string("[encoder] ") + kernel_name(kernel) + ": slot " + std::to_string(b.slot) +
+                              " range [" + std::to_string(begin) + ", " + std::to_string(end) + ") exceeds buffer '" +
+                              b.buffer->label + "' of " + std::to_string(b.buffer->size) + " bytes");
+    const bool writes = b.access != Access::read;
+    for (const Range& r : stage_writes_) hazard = hazard || overlaps(r.buffer, r.begin, r.end, b.buffer, begin, end);
+    if (writes)
+      for (const Range& r : stage_reads_) hazard = hazard || overlaps(r.buffer, r.begin, r.end, b.buffer, begin, end);
+  }
+  if (hazard) barrier();
+  for (const Binding& b : list) {
+    const Range r{b.buffer, b.offset, b.bytes ? b.offset + b.bytes : b.buffer->size};
+    (b.access == Access::read ? stage_reads_ : stage_writes_).push_back(r);
+    if (b.access == Access::read_write) stage_reads_.push_back(r);
+  }
+  ++dispatches_;
+  do_dispatch(kernel, threadgroups, threads, args, args_size, list, threadgroup_bytes);
+}
+
+void Encoder::barrier() {
+  // A barrier with nothing recorded before it in the stage orders nothing: it is dropped, so the stage
+  // count (barriers + 1) stays the number of real dependency stages.
+  if (stage_reads_.empty() && stage_writes_.empty()) return;
+  stage_reads_.clear();
+  stage_writes_.clear();
+  ++barriers_;
+  do_barrier();
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,398 @@
+// MetalBackend (metal_backend.h): owns the device-side model (each mapped weight file wrapped once, the
+// small fp32 parameter vectors uploaded once), the activation buffers for max_rows rows, the families'
+// scratch, and the per-session state; maps every Backend op onto the family encoders.
+//
+// Device formats (encoders.h): x f32 [T, H]; logits f32 [rows, V]; every other activation bf16; KV cache bf16
+// [n_kv, capacity, d] per attention layer; GDN conv state f32 [k_c - 1, C], recurrent state f32
+// [n_v, d_k, d_v] per linear layer. Widths are those of the reference backend (reference.cpp).
+#include "metal_backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "encoders.h"
+
+namespace lily::metal {
+
+namespace {
+
+Counters minus(const Counters& a, const Counters& b) {
+  Counters d;
+  d.dispatches = a.dispatches - b.dispatches;
+  d.stages = a.stages - b.stages;
+  d.cpu_waits = a.cpu_waits - b.cpu_waits;
+  d.command_buffers = a.command_buffers - b.command_buffers;
+  for (size_t r = 0; r < size_t(Role::count); ++r) {
+    d.bytes_read[r] = a.bytes_read[r] - b.bytes_read[r];
+    d.bytes_written[r] = a.bytes_written[r] - b.bytes_written[r];
+  }
+  return d;
+}
+
+// Buffer labels (schedule/backend.h declares act_name but nothing defines it yet).
+const char* act_label(Act a) {
+  static const char* names[] = {"x", "xn", "qkv", "z", "beta", "alpha", "q_gate", "k", "v", "mix", "logits"};
+  static_assert(sizeof(names) / sizeof(names[0]) == size_t(Act::count));
+  return names[int(a)];
+}
+
+// KV cache growth: whole blocks of rows, at least doubling, so growth copies stay O(context) in total.
+constexpr int64_t kKvBlock = 256;
+
+struct MetalState final : State {
+  // attention layers: K and V [n_kv, capacity, d] bf16 (Role::kv); GDN layers: conv and recurrent state f32
+  // (Role::state). Null where the layer is the other kind.
+  std::vector<std::shared_ptr<Buffer>> k, v, conv, rec;
+};
+
+class MetalBackendImpl final : public MetalBackend {
+ public:
+  MetalBackendImpl(const Model& m, std::unique_ptr<Device> device, int max_rows)
+      : m_(m), c_(m.config()), dev_(std::move(device)), rows_(max_rows) {
+    if (max_rows <= 0) throw std::invalid_argument("[metal] max_rows must be positive");
+    // The weights: each mapped file becomes one buffer, without copying where the platform allows.
+    for (const auto& f : m.files()) files_.push_back(dev_->wrap(f->data(), f->size(), Role::weights, f->path()));
+    embed_ = matrix(m.embed);
+    lm_head_ = matrix(m.lm_head);
+    norm_ = vec(m.norm);
+    const int L = c_.layers;
+    input_norm_.resize(L), post_norm_.resize(L), gdn_.resize(L), attn_.resize(L), moe_.resize(L);
+    for (int i = 0; i < L; ++i) {
+      const LayerWeights& W = m.layers[i];
+      input_norm_[i] = vec(W.input_norm);
+      post_norm_[i] = vec(W.post_norm);
+      if (c_.is_attention(i)) {
+        AttnDevice& A = attn_[i];
+        A.q_norm = vec(W.attn.q_norm), A.k_norm = vec(W.attn.k_norm);
+        A.n_q = c_.n_q, A.n_kv = c_.n_kv, A.head_dim = c_.head_dim, A.rotary_dim = c_.rotary_dim;
+        A.rope_theta = c_.rope_theta, A.eps = c_.rms_eps;
+      } else {
+        GdnDevice& G = gdn_[i];
+        G.conv = vec(W.gdn.conv), G.A_log = vec(W.gdn.A_log), G.dt_bias = vec(W.gdn.dt_bias), G.norm = vec(W.gdn.norm);
+        G.nk = c_.lin_nk, G.nv = c_.lin_nv, G.dk = c_.lin_dk, G.dv = c_.lin_dv, G.conv_kernel = c_.conv_kernel;
+        G.eps = c_.rms_eps;
+      }
+      MoeDevice& M = moe_[i];
+      M.router = matrix(W.moe.router);
+      M.gate = matrix(W.moe.gate), M.up = matrix(W.moe.up), M.down = matrix(W.moe.down);
+      M.shared_gate_proj = matrix(W.moe.shared_gate_proj), M.shared_up = matrix(W.moe.shared_up);
+      M.shared_down = matrix(W.moe.shared_down), M.shared_gate = matrix(W.moe.shared_gate);
+      M.hidden = c_.hidden, M.experts = c_.experts, M.top_k = c_.top_k, M.inter = c_.moe_inter;
+      M.shared_inter = c_.shared_inter;
+    }
+    // Activations for max_rows rows (logits: grown on first use, [max_rows, V] f32 is large at V = 248k).
+    width_[int(Act::x)] = c_.hidden;
+    width_[int(Act::xn)] = c_.hidden;
+    width_[int(Act::qkv)] = c_.conv_dim();
+    width_[int(Act::z)] = c_.value_dim();
+    width_[int(Act::beta)] = c_.lin_nv;
+    width_[int(Act::alpha)] = c_.lin_nv;
+    width_[int(Act::q_gate)] = c_.q_proj_rows();
+    width_[int(Act::k)] = c_.kv_dim();
+    width_[int(Act::v)] = c_.kv_dim();
+    width_[int(Act::mix)] = std::max<int64_t>(c_.value_dim(), int64_t(c_.n_q) * c_.head_dim);
+    width_[int(Act::logits)] = c_.vocab;
+    for (int a = 0; a < int(Act::count); ++a) {
+      if (a == int(Act::logits)) continue;
+      act_[a] = dev_->alloc(uint64_t(rows_) * width_[a] * elem(Act(a)), Role::activations, act_label(Act(a)));
+    }
+    grow_logits(1);
+    route_ids_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.ids");
+    route_w_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.weights");
+    for (auto& slot : tokens_) slot = dev_->alloc(uint64_t(rows_) * 4, Role::io, "tokens");
+    // Family scratch, sized by the first layer of each kind (every layer of a kind has one geometry).
+    moe_scratch_ = make_moe_scratch(*dev_, moe_[0], rows_);
+    for (int i = 0; i < L; ++i) {
+      if (c_.is_attention(i) && !attn_scratch_) attn_scratch_ = make_attn_scratch(*dev_, attn_[i], rows_);
+      if (!c_.is_attention(i) && !gdn_scratch_) gdn_scratch_ = make_gdn_scratch(*dev_, gdn_[i], rows_);
+    }
+    prev_ = dev_->counters();
+  }
+
+  std::string name() const override { return dev_->name(); }
+  int max_rows() const override { return rows_; }
+  Device& device() override { return *dev_; }
+  Counters counters(Phase p, bool cumulative) const override {
+    return cumulative ? total_[int(p)] : last_[int(p)];
+  }
+
+  // ---------------------------------------------------------------- session state
+
+  std::unique_ptr<State> new_state() override {
+    auto s = std::make_unique<MetalState>();
+    const int L = c_.layers;
+    s->k.resize(L), s->v.resize(L), s->conv.resize(L), s->rec.resize(L);
+    for (int i = 0; i < L; ++i) {
+      if (c_.is_attention(i)) continue;
+      s->conv[i] = zeroed(uint64_t(c_.conv_kernel - 1) * c_.conv_dim() * 4, Role::state, "gdn.conv");
+      s->rec[i] = zeroed(uint64_t(c_.lin_nv) * c_.lin_dk * c_.lin_dv * 4, Role::state, "gdn.rec");
+    }
+    return s;
+  }
+
+  // Grows every attention layer's K/V to hold `tokens` rows, keeping rows [0, pos) of each KV head. The copy
+  // goes through the CPU view of the buffers (unified memory), after the GPU is done with them.
+  void reserve(State& st, int64_t tokens) override {
+    auto& s = static_cast<MetalState&>(st);
+    if (tokens <= s.capacity) return;
+    const int64_t cap = std::max((tokens + kKvBlock - 1) / kKvBlock * kKvBlock, 2 * s.capacity);
+    const uint64_t d2 = uint64_t(c_.head_dim) * 2;
+    finish();
+    for (int i = 0; i < c_.layers; ++i) {
+      if (!c_.is_attention(i)) continue;
+      for (auto* cache : {&s.k[i], &s.v[i]}) {
+        auto grown = zeroed(uint64_t(c_.n_kv) * cap * d2, Role::kv, "kv." + std::to_string(i));
+        if (*cache && s.pos > 0)
+          for (int h = 0; h < c_.n_kv; ++h)
+            std::memcpy(static_cast<uint8_t*>(grown->contents()) + uint64_t(h) * cap * d2,
+                        static_cast<const uint8_t*>((*cache)->contents()) + uint64_t(h) * s.capacity * d2,
+                        uint64_t(s.pos) * d2);
+        *cache = std::move(grown);
+      }
+    }
+    s.capacity = cap;
+  }
+
+  std::unique_ptr<State> clone_state(const State& st) override {
+    const auto& s = static_cast<const MetalState&>(st);
+    finish();
+    auto c = std::make_unique<MetalState>();
+    c->pos = s.pos, c->capacity = s.capacity;
+    auto copy = [&](const std::shared_ptr<Buffer>& b) -> std::shared_ptr<Buffer> {
+      if (!b) return nullptr;
+      auto n = dev_->alloc(b->size, b->role, b->label);
+      std::memcpy(n->contents(), b->contents(), b->size);
+      return n;
+    };
+    for (int i = 0; i < c_.layers; ++i) {
+      c->k.push_back(copy(s.k[i])), c->v.push_back(copy(s.v[i]));
+      c->conv.push_back(copy(s.conv[i])), c->rec.push_back(copy(s.rec[i]));
+    }
+    return c;
+  }
+
+  void bind(State* s) override { s_ = static_cast<MetalState*>(s); }
+
+  // ---------------------------------------------------------------- submission
+
+  void begin() override {
+    if (cb_) throw std::logic_error("[metal] begin() while a command buffer is being recorded");
+    cb_ = dev_->command_buffer();
+    enc_ = &cb_->encoder();
+    decode_ = false;
+    slot_ ^= 1;  // the other token slot: the previous step's may still be read by the GPU
+  }
+
+  void commit() override {
+    if (!cb_) throw std::logic_error("[metal] commit() without begin()");
+    cb_->commit();
+    inflight_ = std::move(cb_);
+    enc_ = nullptr;
+    phase_ = decode_ ? Phase::decode : Phase::prefill;
+    account(false);
+  }
+
+  void read_logits(float* out, int rows) override {
+    if (rows > logit_rows_) throw std::out_of_range("[metal] read_logits: " + std::to_string(rows) + " rows, computed " + std::to_string(logit_rows_));
+    finish();
+    std::memcpy(out, act_[int(Act::logits)]->contents(), size_t(rows) * c_.vocab * 4);
+  }
+
+  // ---------------------------------------------------------------- ops
+
+  void embed(const int32_t* tokens, int T) override {
+    check_rows(T, "embed");
+    for (int t = 0; t < T; ++t)
+      if (tokens[t] < 0 || tokens[t] >= c_.vocab)
+        throw std::out_of_range("[embed] token id " + std::to_string(tokens[t]) + " outside the vocabulary [0, " +
+                                std::to_string(c_.vocab) + ")");
+    Buffer* slot = tokens_[slot_].get();
+    std::memcpy(slot->contents(), tokens, size_t(T) * 4);
+    encode_embed(enc(), embed_, {slot}, view(Act::x), T);
+  }
+
+  void rmsnorm(Act in, Act out, const Vec& w, int T) override {
+    if (in != Act::x) throw std::invalid_argument(std::string("[metal] rmsnorm reads the f32 residual x, not ") + act_label(in));
+    encode_rmsnorm(enc(), view(in), vec_of(w), view(out), T, c_.hidden, c_.rms_eps);
+  }
+
+  void project(Act in, Act out, const Linear& W, int T, bool accumulate) override {
+    check_rows(T, W.name.c_str());
+    const bool f32 = out == Act::x || out == Act::logits;
+    if (accumulate && !f32) throw std::invalid_argument("[metal] accumulate into bf16 " + std::string(act_label(out)));
+    encode_project(enc(), matrix_of(W), view(in), view(out), T,
+                   f32 ? (accumulate ? OutMode::f32_add : OutMode::f32) : OutMode::bf16);
+  }
+
+  void gdn_prefill(int layer, int T) override {
+    encode_gdn_prefill(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
+                       view(Act::alpha), T, {s_->conv[layer].get()}, {s_->rec[layer].get()}, view(Act::mix));
+  }
+  void gdn_decode(int layer) override {
+    decode_ = true;
+    encode_gdn_decode(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
+                      view(Act::alpha), {s_->conv[layer].get()}, {s_->rec[layer].get()}, view(Act::mix));
+  }
+
+  void attn_prepare(int layer, int T, int64_t pos) override {
+    encode_attn_prepare(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), view(Act::k), view(Act::v), T, pos,
+                        {s_->k[layer].get()}, {s_->v[layer].get()}, s_->capacity);
+  }
+  void attn_prefill(int layer, int T, int64_t pos) override {
+    encode_attn_prefill(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), T, pos, {s_->k[layer].get()},
+                        {s_->v[layer].get()}, s_->capacity, view(Act::mix));
+  }
+  void attn_decode(int layer, int64_t pos) override {
+    decode_ = true;
+    encode_attn_decode(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), pos, {s_->k[layer].get()},
+                       {s_->v[layer].get()}, s_->capacity, view(Act::mix));
+  }
+
+  void moe_route(int layer, int T) override {
+    encode_moe_route(enc(), *moe_scratch_, moe_[layer], view(Act::xn), T, {route_ids_.get()}, {route_w_.get()});
+  }
+  void moe_prefill(int layer, int T) override {
+    encode_moe_prefill(enc(), *moe_scratch_, moe_[layer], view(Act::xn), {route_ids_.get()}, {route_w_.get()}, T,
+                       view(Act::x));
+  }
+  void moe_decode(int layer) override {
+    decode_ = true;
+    encode_moe_decode(enc(), *moe_scratch_, moe_[layer], view(Act::xn), {route_ids_.get()}, {route_w_.get()},
+                      view(Act::x));
+  }
+
+  void lm_head(int first, int rows) override {
+    check_rows(rows, "lm_head");
+    if (rows > logit_capacity_) grow_logits(rows);
+    logit_rows_ = rows;
+    encode_rmsnorm(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, view(Act::xn), rows, c_.hidden,
+                   c_.rms_eps);
+    encode_project(enc(), lm_head_, view(Act::xn), view(Act::logits), rows, OutMode::f32);
+  }
+
+ private:
+  // ---- device views of core weights
+  DeviceMatrix matrix(const Linear& L) {
+    if (!L.w) throw std::invalid_argument("[metal] weight '" + L.name + "' is absent");
+    DeviceMatrix M;
+    if (L.bits == 4) M.format = LILY_W_Q4;
+    else if (L.bits == 8) M.format = LILY_W_Q8;
+    else if (L.bits == 0 && L.wdtype == DType::bf16) M.format = LILY_W_BF16;
+    else
+      throw std::invalid_argument("[metal] weight '" + L.name + "': " + std::to_string(L.bits) + "-bit " +
+                                  dtype_name(L.wdtype) + " is not a device format (MLX 4/8-bit groups of 64, or bf16)");
+    if (L.quantized() && (L.group != LILY_QGROUP || L.sdtype != DType::bf16))
+      throw std::invalid_argument("[metal] weight '" + L.name + "': group " + std::to_string(L.group) + " with " +
+                                  dtype_name(L.sdtype) + " scales (the kernels take groups of 64, bf16 scales)");
+    M.w = files_.at(size_t(L.file)).get();
+    M.w_offset = L.w_offset;
+    if (L.quantized()) {
+      M.scales = files_.at(size_t(L.s_file)).get();
+      M.biases = files_.at(size_t(L.b_file)).get();
+      M.s_offset = L.s_offset, M.b_offset = L.b_offset;
+    }
+    M.rows = int32_t(L.rows), M.cols = int32_t(L.cols), M.experts = int32_t(L.experts);
+    M.w_row_bytes = L.w_row_bytes, M.s_row_bytes = L.s_row_bytes;
+    M.w_expert_bytes = L.w_expert_bytes, M.s_expert_bytes = L.s_expert_bytes;
+    M.matrix_bytes = L.bytes_per_matrix();
+    matrices_.emplace_back(&L, M);
+    return M;
+  }
+  const DeviceMatrix& matrix_of(const Linear& L) {
+    for (const auto& [l, M] : matrices_)
+      if (l == &L) return M;
+    matrix(L);  // a Linear the constructor did not see (none in the schedule today)
+    return matrices_.back().second;
+  }
+
+  DeviceVec vec(const Vec& v) {
+    auto b = dev_->alloc(uint64_t(v.size()) * 4, Role::weights, v.name);
+    if (v.size()) std::memcpy(b->contents(), v.data(), size_t(v.size()) * 4);
+    vec_buffers_.push_back(b);
+    const DeviceVec d{b.get(), 0, int32_t(v.size())};
+    vecs_.emplace_back(&v, d);
+    return d;
+  }
+  DeviceVec vec_of(const Vec& v) {
+    for (const auto& [p, d] : vecs_)
+      if (p == &v) return d;
+    return vec(v);
+  }
+
+  std::shared_ptr<Buffer> zeroed(uint64_t bytes, Role role, const std::string& label) {
+    auto b = dev_->alloc(bytes, role, label);
+    if (bytes) std::memset(b->contents(), 0, bytes);
+    return b;
+  }
+
+  // ---- activations
+  static int elem(Act a) { return a == Act::x || a == Act::logits ? 4 : 2; }
+  View view(Act a) const { return {act_[int(a)].get(), 0}; }
+  void grow_logits(int rows) {
+    finish();
+    act_[int(Act::logits)] = dev_->alloc(uint64_t(rows) * c_.vocab * 4, Role::io, "logits");
+    logit_capacity_ = rows;
+  }
+  void check_rows(int T, const char* op) const {
+    if (T < 1 || T > rows_)
+      throw std::out_of_range(std::string("[") + op + "] " + std::to_string(T) + " rows, chunk limit is " + std::to_string(rows_));
+  }
+  Encoder& enc() {
+    if (!enc_) throw std::logic_error("[metal] op recorded outside begin()/commit()");
+    return *enc_;
+  }
+
+  // Waits for the command buffer in flight (a CPU wait, counted for the phase it ran).
+  void finish() {
+    if (!inflight_) return;
+    inflight_->wait();
+    inflight_.reset();
+    account(true);
+  }
+  void account(bool add_to_last) {
+    const Counters now = dev_->counters();
+    const Counters d = minus(now, prev_);
+    prev_ = now;
+    if (add_to_last) last_[int(phase_)].add(d);
+    else last_[int(phase_)] = d;
+    total_[int(phase_)].add(d);
+  }
+
+  const Model& m_;
+  const ModelConfig& c_;
+  std::unique_ptr<Device> dev_;
+  int rows_;
+  std::vector<std::shared_ptr<Buffer>> files_, vec_buffers_;
+  std::vector<std::pair<const Linear*, DeviceMatrix>> matrices_;
+  std::vector<std::pair<const Vec*, DeviceVec>> vecs_;
+  DeviceMatrix embed_, lm_head_;
+  DeviceVec norm_;
+  std::vector<DeviceVec> input_norm_, post_norm_;
+  std::vector<GdnDevice> gdn_;
+  std::vector<AttnDevice> attn_;
+  std::vector<MoeDevice> moe_;
+  std::shared_ptr<MoeScratch> moe_scratch_;
+  std::shared_ptr<GdnScratch> gdn_scratch_;
+  std::shared_ptr<AttnScratch> attn_scratch_;
+  int64_t width_[int(Act::count)] = {};
+  std::shared_ptr<Buffer> act_[int(Act::count)];
+  std::shared_ptr<Buffer> route_ids_, route_w_, tokens_[2];
+  int slot_ = 0, logit_rows_ = 0, logit_capacity_ = 0;
+  MetalState* s_ = nullptr;
+  std::unique_ptr<CommandBuffer> cb_, inflight_;
+  Encoder* enc_ = nullptr;
+  bool decode_ = false;
+  Phase phase_ = Phase::prefill;
+  Counters prev_, last_[2], total_[2];
+};
+
+}  // namespace
+
+std::unique_ptr<MetalBackend> make_metal_backend(const Model& model, std::unique_ptr<Device> device, int max_rows) {
+  return std::make_unique<MetalBackendImpl>(model, std::move(device), max_rows);
+}
+
+}  // namespace lily::metal

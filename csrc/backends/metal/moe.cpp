@@ -1,0 +1,326 @@
+// The MoE family's encoders (metal/moe.metal): routing, the prefill path (GPU-resident grouping + grouped
+// GEMMs) and the decode path (two fused GEMVs). Previous hop: the Metal backend glue (and
+// csrc/bindings/kernels_moe.cpp in tests); next hop: Encoder::dispatch, which derives the barriers from the
+// bindings declared here.
+//
+// Prefill, all in the caller's command buffer (no CPU wait: the block map is read only by the GPU):
+//   histogram → scan (offsets, cursors, block map) → scatter (slot of each assignment)      [routing]
+//   shared-gate logits, gate_up GEMM (routed blocks) and gate_up GEMM (shared, dense rows)  [concurrent]
+//   down GEMM × routing weight (routed) and down GEMM × σ(shared gate) (shared)             [concurrent]
+//   combine: x[t] += Σ_j y[slot_of[t, j]] + ys[t]
+// The shared expert reuses the grouped GEMM kernels in dense mode (one matrix over rows 0..T-1, no gather)
+// rather than riding along as an always-selected expert: its matrices are separate tensors with their own
+// strides (and possibly width), and a separate dispatch in the same stage costs no extra barrier.
+//
+// Decode: shared-gate logit and gate_up (k experts + shared in one dispatch) → down (k experts + routing
+// weights + σ-gated shared expert, added into x). Two stages; each selected matrix is read once.
+#include "moe.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace lily::metal {
+
+static_assert(sizeof(MoeMatrixStrides) == 32);
+static_assert(sizeof(MoeRouteArgs) == 48);
+static_assert(sizeof(MoeGroupArgs) == 16);
+static_assert(sizeof(MoeGemmArgs) == 56);
+static_assert(sizeof(MoeCombineArgs) == 16);
+static_assert(sizeof(MoeGemvArgs) == 88);
+
+namespace {
+
+constexpr KernelId kRouteLogits[3] = {KernelId::moe_route_logits_q4, KernelId::moe_route_logits_q8,
+                                      KernelId::moe_route_logits_bf16};
+constexpr KernelId kGemmGateUp[3][2] = {
+    {KernelId::moe_gemm_gate_up_q4_bm16, KernelId::moe_gemm_gate_up_q4_bm32},
+    {KernelId::moe_gemm_gate_up_q8_bm16, KernelId::moe_gemm_gate_up_q8_bm32},
+    {KernelId::moe_gemm_gate_up_bf16_bm16, KernelId::moe_gemm_gate_up_bf16_bm32},
+};
+constexpr KernelId kGemmDown[3][2] = {
+    {KernelId::moe_gemm_down_q4_bm16, KernelId::moe_gemm_down_q4_bm32},
+    {KernelId::moe_gemm_down_q8_bm16, KernelId::moe_gemm_down_q8_bm32},
+    {KernelId::moe_gemm_down_bf16_bm16, KernelId::moe_gemm_down_bf16_bm32},
+};
+constexpr KernelId kGemvGateUp[3] = {KernelId::moe_gemv_gate_up_q4, KernelId::moe_gemv_gate_up_q8,
+                                     KernelId::moe_gemv_gate_up_bf16};
+constexpr KernelId kGemvDown[3] = {KernelId::moe_gemv_down_q4, KernelId::moe_gemv_down_q8, KernelId::moe_gemv_down_bf16};
+
+uint32_t cdiv(int64_t a, int64_t b) { return uint32_t((a + b - 1) / b); }
+
+std::string shape_of(const DeviceMatrix& W) {
+  return "[" + std::to_string(W.experts) + " x " + std::to_string(W.rows) + ", " + std::to_string(W.cols) + "]";
+}
+
+// Checks what every moe kernel assumes of a matrix: a known format, columns in whole quant groups (the
+// kernels dequantise 8 columns at a time and the GEMMs step k by one group), the expected shape.
+void check_matrix(const DeviceMatrix& W, const char* name, int rows, int cols) {
+  const std::string where = std::string("[moe] ") + name + " " + shape_of(W);
+  if (!W.w) throw std::invalid_argument(where + ": no weights bound");
+  if (W.format != LILY_W_Q4 && W.format != LILY_W_Q8 && W.format != LILY_W_BF16)
+    throw std::invalid_argument(where + ": unknown weight format " + std::to_string(int(W.format)));
+  if (W.format != LILY_W_BF16 && (!W.scales || !W.biases)) throw std::invalid_argument(where + ": missing scales/biases");
+  if (W.rows != rows || W.cols != cols)
+    throw std::invalid_argument(where + ": expected [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+  if (W.cols % LILY_QGROUP != 0) throw std::invalid_argument(where + ": columns not a multiple of 64");
+}
+
+MoeMatrixStrides strides(const DeviceMatrix& W) {
+  return MoeMatrixStrides{.w_row_bytes = W.w_row_bytes,
+                          .s_row_bytes = W.s_row_bytes,
+                          .w_expert_bytes = W.w_expert_bytes,
+                          .s_expert_bytes = W.s_expert_bytes};
+}
+
+// The three bindings of a matrix, each declaring its exact extent: matrices that share a buffer (one mapped
+// checkpoint file) then neither serialise on each other nor count each other's bytes. A bf16 matrix has no
+// scales/biases; `none` (a never-written scratch word) stands in for those slots, which the kernel never reads.
+struct MatrixBindings {
+  Binding w, s, b;
+};
+MatrixBindings bind(const DeviceMatrix& W, int slot_w, int slot_s, int slot_b, Buffer* none) {
+  const uint64_t last = uint64_t(std::max(W.experts, 1) - 1);
+  const uint64_t payload = W.format == LILY_W_Q4 ? uint64_t(W.cols) / 2 : W.format == LILY_W_Q8 ? uint64_t(W.cols) : uint64_t(W.cols) * 2;
+  MatrixBindings m;
+  m.w = {slot_w, W.w, W.w_offset, Access::read, last * W.w_expert_bytes + uint64_t(W.rows - 1) * W.w_row_bytes + payload};
+  if (W.format == LILY_W_BF16) {
+    m.s = {slot_s, none, 0, Access::read, 4};
+    m.b = {slot_b, none, 0, Access::read, 4};
+  } else {
+    const uint64_t sb = last * W.s_expert_bytes + uint64_t(W.rows - 1) * W.s_row_bytes + uint64_t(W.cols) / LILY_QGROUP * 2;
+    m.s = {slot_s, W.scales, W.s_offset, Access::read, sb};
+    m.b = {slot_b, W.biases, W.b_offset, Access::read, sb};
+  }
+  return m;
+}
+
+void check_dims(const MoeDevice& M) {
+  if (M.experts <= 0 || M.experts > LILY_MOE_MAX_EXPERTS)
+    throw std::invalid_argument("[moe] experts " + std::to_string(M.experts) + " outside [1, 1024]");
+  if (M.top_k <= 0 || M.top_k > LILY_MOE_MAX_TOPK || M.top_k > M.experts)
+    throw std::invalid_argument("[moe] top_k " + std::to_string(M.top_k) + " outside [1, min(32, experts)]");
+  if (M.hidden <= 0 || M.hidden % LILY_MOE_GEMM_BK || M.inter <= 0 || M.inter % LILY_MOE_GEMM_BK ||
+      M.shared_inter <= 0 || M.shared_inter % LILY_MOE_GEMM_BK)
+    throw std::invalid_argument("[moe] hidden " + std::to_string(M.hidden) + ", inter " + std::to_string(M.inter) +
+                                ", shared_inter " + std::to_string(M.shared_inter) + " must be positive multiples of 64");
+}
+
+// out f32 [T, W.rows] = xn [T, H] · Wᵀ (router logits, or the shared expert's one gate logit per token).
+void encode_logits(Encoder& enc, MoeScratch& s, const DeviceMatrix& W, View xn, int T, View out) {
+  const MoeRouteArgs args{.T = T, .rows = W.rows, .cols = W.cols, .top_k = 0, .W = strides(W)};
+  const MatrixBindings m = bind(W, LILY_MOE_ROUTE_W, LILY_MOE_ROUTE_SCALES, LILY_MOE_ROUTE_BIASES, s.none.get());
+  enc.dispatch(kRouteLogits[W.format], Grid{cdiv(W.rows, LILY_MOE_ROUTE_SIMDGROUPS), cdiv(T, LILY_MOE_ROUTE_TOKENS), 1},
+               Grid{uint32_t(LILY_MOE_ROUTE_SIMDGROUPS * LILY_SIMD_WIDTH), 1, 1}, args,
+               {{LILY_MOE_ROUTE_X, xn.buffer, xn.offset, Access::read, uint64_t(T) * W.cols * 2}, m.w, m.s, m.b,
+                {LILY_MOE_ROUTE_LOGITS, out.buffer, out.offset, Access::write, uint64_t(T) * W.rows * 4}});
+}
+
+}  // namespace
+
+// The tile rule. A 32-row tile (four simdgroups) amortises each dequantised weight tile over twice the rows of
+// a 16-row tile, but an expert's last tile idles on average half its rows. The write-up measured the 32-row
+// tile at +13.2% end-to-end prefill at 2K tokens (E = 256, k = 8: 64 rows per expert on average) against
+// fixed 16-row tiles on an M5 Max; below an average of 32 rows per expert the idle half-tiles dominate, so
+// the large tile is used only from there on (T >= 1024 for Qwen3.6). The host knows n and E without reading
+// the histogram back, so the rule costs no CPU wait.
+int moe_tile_rows(int n, int experts) { return n >= 32 * experts ? 32 : 16; }
+
+std::shared_ptr<MoeScratch> make_moe_scratch(Device& dev, const MoeDevice& M, int max_rows) {
+  check_dims(M);
+  if (max_rows <= 0) throw std::invalid_argument("[moe] max_rows must be positive");
+  auto s = std::make_shared<MoeScratch>();
+  s->max_rows = max_rows;
+  s->experts = M.experts;
+  s->top_k = M.top_k;
+  s->hidden = M.hidden;
+  s->inter = M.inter;
+  s->shared_inter = M.shared_inter;
+  const uint64_t T = uint64_t(max_rows), E = uint64_t(M.experts), n = T * uint64_t(M.top_k), H = uint64_t(M.hidden);
+  const uint64_t I = uint64_t(M.inter), Is = uint64_t(M.shared_inter);
+  const uint64_t h_rows = std::max<uint64_t>(n, uint64_t(M.top_k) + 1);
+  const uint64_t h_width = std::max(I, Is);
+  auto a = [&](uint64_t bytes, const char* label) { return dev.alloc(std::max<uint64_t>(bytes, 16), Role::activations, label); };
+  s->none = a(16, "moe.none");
+  s->logits = a(T * E * 4, "moe.logits");
+  s->shared_logit = a(T * 4, "moe.shared_logit");
+  s->hist = a(E * 4, "moe.hist");
+  std::fill_n(static_cast<uint32_t*>(s->hist->contents()), E, 0u);  // the invariant moe_route_scan keeps
+  s->offsets = a((E + 1) * 4, "moe.offsets");
+  s->cursor = a(E * 4, "moe.cursor");
+  s->blocks = a((1 + uint64_t(LILY_MOE_MAX_BLOCKS(int64_t(n), int64_t(E), 16))) * 16, "moe.blocks");
+  s->slot_token = a(n * 4, "moe.slot_token");
+  s->slot_weight = a(n * 4, "moe.slot_weight");
+  s->slot_of = a(n * 4, "moe.slot_of");
+  s->h = a(h_rows * h_width * 2, "moe.h");
+  s->hs = a(T * Is * 2, "moe.hs");
+  s->y = a(n * H * 4, "moe.y");
+  s->ys = a(T * H * 4, "moe.ys");
+  return s;
+}
+
+void encode_moe_route(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, int T, View ids, View weights) {
+  if (T <= 0) return;
+  check_dims(M);
+  check_matrix(M.router, "router", M.experts, M.hidden);
+  if (T > s.max_rows) throw std::invalid_argument("[moe_route] T " + std::to_string(T) + " > max_rows " + std::to_string(s.max_rows));
+  encode_logits(enc, s, M.router, xn, T, {s.logits.get(), 0});
+  const MoeRouteArgs args{.T = T, .rows = M.experts, .cols = M.hidden, .top_k = M.top_k, .W = strides(M.router)};
+  const uint64_t tk = uint64_t(T) * M.top_k * 4;
+  enc.dispatch(KernelId::moe_route_topk, Grid{cdiv(T, LILY_MOE_TOPK_SIMDGROUPS), 1, 1},
+               Grid{uint32_t(LILY_MOE_TOPK_SIMDGROUPS * LILY_SIMD_WIDTH), 1, 1}, args,
+               {{LILY_MOE_ROUTE_LOGITS, s.logits.get(), 0, Access::read, uint64_t(T) * M.experts * 4},
+                {LILY_MOE_ROUTE_IDS, ids.buffer, ids.offset, Access::write, tk},
+                {LILY_MOE_ROUTE_WEIGHTS, weights.buffer, weights.offset, Access::write, tk}});
+}
+
+void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, int T, View x,
+                        int tile_rows) {
+  if (T <= 0) return;
+  check_dims(M);
+  const int E = M.experts, k = M.top_k, H = M.hidden, I = M.inter, Is = M.shared_inter;
+  check_matrix(M.gate, "gate", I, H);
+  check_matrix(M.up, "up", I, H);
+  check_matrix(M.down, "down", H, I);
+  check_matrix(M.shared_gate_proj, "shared_gate_proj", Is, H);
+  check_matrix(M.shared_up, "shared_up", Is, H);
+  check_matrix(M.shared_down, "shared_down", H, Is);
+  check_matrix(M.shared_gate, "shared_gate", 1, H);
+  if (M.gate.format != M.up.format || M.gate.w_row_bytes != M.up.w_row_bytes || M.gate.w_expert_bytes != M.up.w_expert_bytes ||
+      M.gate.s_row_bytes != M.up.s_row_bytes || M.gate.s_expert_bytes != M.up.s_expert_bytes ||
+      M.shared_gate_proj.format != M.shared_up.format || M.shared_gate_proj.w_row_bytes != M.shared_up.w_row_bytes ||
+      M.shared_gate_proj.s_row_bytes != M.shared_up.s_row_bytes)
+    throw std::invalid_argument("[moe_prefill] gate and up must share format and strides");
+  if (T > s.max_rows) throw std::invalid_argument("[moe_prefill] T " + std::to_string(T) + " > max_rows " + std::to_string(s.max_rows));
+  const int n = T * k;
+  const int bm = tile_rows ? tile_rows : moe_tile_rows(n, E);
+  if (bm != 16 && bm != 32) throw std::invalid_argument("[moe_prefill] tile_rows must be 16 or 32, got " + std::to_string(bm));
+  const int bmi = bm == 32 ? 1 : 0;
+  const uint32_t max_blocks = uint32_t(LILY_MOE_MAX_BLOCKS(n, E, bm));
+  const uint64_t nb4 = uint64_t(n) * 4, blocks_bytes = (1 + uint64_t(max_blocks)) * 16;
+  const Grid elementwise{uint32_t(LILY_MOE_ELEMENTWISE_THREADS), 1, 1};
+
+  // Routing: group the n assignments by expert, entirely on the GPU.
+  const MoeGroupArgs gargs{.n = n, .experts = E, .top_k = k, .tile_rows = bm};
+  const Binding b_ids{LILY_MOE_GROUP_IDS, ids.buffer, ids.offset, Access::read, nb4};
+  enc.dispatch(KernelId::moe_route_histogram, Grid{cdiv(n, LILY_MOE_ELEMENTWISE_THREADS), 1, 1}, elementwise, gargs,
+               {b_ids, {LILY_MOE_GROUP_HIST, s.hist.get(), 0, Access::read_write, uint64_t(E) * 4}});
+  enc.dispatch(KernelId::moe_route_scan, Grid{1, 1, 1}, Grid{cdiv(E, LILY_SIMD_WIDTH) * LILY_SIMD_WIDTH, 1, 1}, gargs,
+               {{LILY_MOE_GROUP_HIST, s.hist.get(), 0, Access::read_write, uint64_t(E) * 4},
+                {LILY_MOE_GROUP_OFFSETS, s.offsets.get(), 0, Access::write, uint64_t(E + 1) * 4},
+                {LILY_MOE_GROUP_CURSOR, s.cursor.get(), 0, Access::write, uint64_t(E) * 4},
+                {LILY_MOE_GROUP_BLOCKS, s.blocks.get(), 0, Access::write, blocks_bytes}});
+  enc.dispatch(KernelId::moe_route_scatter, Grid{cdiv(n, LILY_MOE_ELEMENTWISE_THREADS), 1, 1}, elementwise, gargs,
+               {b_ids, {LILY_MOE_GROUP_WEIGHTS, weights.buffer, weights.offset, Access::read, nb4},
+                {LILY_MOE_GROUP_CURSOR, s.cursor.get(), 0, Access::read_write, uint64_t(E) * 4},
+                {LILY_MOE_GROUP_SLOT_TOKEN, s.slot_token.get(), 0, Access::write, nb4},
+                {LILY_MOE_GROUP_SLOT_WEIGHT, s.slot_weight.get(), 0, Access::write, nb4},
+                {LILY_MOE_GROUP_SLOT_OF, s.slot_of.get(), 0, Access::write, nb4}});
+
+  // The shared expert's gate logit per token (independent of the routing: joins the scatter's stage).
+  encode_logits(enc, s, M.shared_gate, xn, T, {s.shared_logit.get(), 0});
+
+  const Grid gemm_threads{uint32_t(bm / 16 * 2 * LILY_SIMD_WIDTH), 1, 1};
+  const Binding b_xn{LILY_MOE_GEMM_X, xn.buffer, xn.offset, Access::read, uint64_t(T) * H * 2};
+  const Binding b_blocks{LILY_MOE_GEMM_BLOCKS, s.blocks.get(), 0, Access::read, blocks_bytes};
+  // Dense-mode dispatches read neither the block map nor the slot lists.
+  const Binding unused_tokens{LILY_MOE_GEMM_SLOT_TOKEN, s.none.get(), 0, Access::read, 4};
+  const Binding unused_blocks{LILY_MOE_GEMM_BLOCKS, s.none.get(), 0, Access::read, 4};
+
+  // gate/up + SwiGLU: routed over the block map, shared over the T rows.
+  {
+    const MatrixBindings g = bind(M.gate, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
+    const MatrixBindings u = bind(M.up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1, s.none.get());
+    const MoeGemmArgs args{.K = H, .N = I, .rows = n, .dense = 0, .weight_sigmoid = 0, .ld_out = I, .W = strides(M.gate)};
+    enc.dispatch(kGemmGateUp[M.gate.format][bmi], Grid{cdiv(I, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
+                 {b_xn, {LILY_MOE_GEMM_SLOT_TOKEN, s.slot_token.get(), 0, Access::read, nb4}, b_blocks, g.w, g.s, g.b,
+                  u.w, u.s, u.b, {LILY_MOE_GEMM_OUT, s.h.get(), 0, Access::write, uint64_t(n) * I * 2}});
+  }
+  {
+    const MatrixBindings g = bind(M.shared_gate_proj, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
+    const MatrixBindings u = bind(M.shared_up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1, s.none.get());
+    const MoeGemmArgs args{.K = H, .N = Is, .rows = T, .dense = 1, .weight_sigmoid = 0, .ld_out = Is,
+                           .W = strides(M.shared_gate_proj)};
+    enc.dispatch(kGemmGateUp[M.shared_gate_proj.format][bmi], Grid{cdiv(Is, LILY_MOE_GEMM_BN), cdiv(T, bm), 1},
+                 gemm_threads, args,
+                 {b_xn, unused_tokens, unused_blocks, g.w, g.s, g.b, u.w, u.s, u.b,
+                  {LILY_MOE_GEMM_OUT, s.hs.get(), 0, Access::write, uint64_t(T) * Is * 2}});
+  }
+  // down × routing weight (routed) and × σ(shared gate logit) (shared).
+  {
+    const MatrixBindings d = bind(M.down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
+    const MoeGemmArgs args{.K = I, .N = H, .rows = n, .dense = 0, .weight_sigmoid = 0, .ld_out = H, .W = strides(M.down)};
+    enc.dispatch(kGemmDown[M.down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
+                 {{LILY_MOE_GEMM_X, s.h.get(), 0, Access::read, uint64_t(n) * I * 2}, b_blocks,
+                  {LILY_MOE_GEMM_WEIGHT, s.slot_weight.get(), 0, Access::read, nb4}, d.w, d.s, d.b,
+                  {LILY_MOE_GEMM_OUT, s.y.get(), 0, Access::write, uint64_t(n) * H * 4}});
+  }
+  {
+    const MatrixBindings d = bind(M.shared_down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
+    const MoeGemmArgs args{.K = Is, .N = H, .rows = T, .dense = 1, .weight_sigmoid = 1, .ld_out = H,
+                           .W = strides(M.shared_down)};
+    enc.dispatch(kGemmDown[M.shared_down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), cdiv(T, bm), 1}, gemm_threads, args,
+                 {{LILY_MOE_GEMM_X, s.hs.get(), 0, Access::read, uint64_t(T) * Is * 2},
+                  unused_blocks,
+                  {LILY_MOE_GEMM_WEIGHT, s.shared_logit.get(), 0, Access::read, uint64_t(T) * 4}, d.w, d.s, d.b,
+                  {LILY_MOE_GEMM_OUT, s.ys.get(), 0, Access::write, uint64_t(T) * H * 4}});
+  }
+  // x[t] += Σ_j y[slot_of[t, j]] + ys[t].
+  const MoeCombineArgs cargs{.T = T, .H = H, .top_k = k, .pad = 0};
+  enc.dispatch(KernelId::moe_combine, Grid{cdiv(H, LILY_MOE_ELEMENTWISE_THREADS), uint32_t(T), 1}, elementwise, cargs,
+               {{LILY_MOE_COMBINE_Y, s.y.get(), 0, Access::read, uint64_t(n) * H * 4},
+                {LILY_MOE_COMBINE_SLOT_OF, s.slot_of.get(), 0, Access::read, nb4},
+                {LILY_MOE_COMBINE_SHARED, s.ys.get(), 0, Access::read, uint64_t(T) * H * 4},
+                {LILY_MOE_COMBINE_X, x.buffer, x.offset, Access::read_write, uint64_t(T) * H * 4}});
+}
+
+void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x) {
+  check_dims(M);
+  const int k = M.top_k, H = M.hidden, I = M.inter, Is = M.shared_inter;
+  check_matrix(M.gate, "gate", I, H);
+  check_matrix(M.up, "up", I, H);
+  check_matrix(M.down, "down", H, I);
+  check_matrix(M.shared_gate_proj, "shared_gate_proj", Is, H);
+  check_matrix(M.shared_up, "shared_up", Is, H);
+  check_matrix(M.shared_down, "shared_down", H, Is);
+  check_matrix(M.shared_gate, "shared_gate", 1, H);
+  // One fused dispatch serves the routed and the shared matrices, so they must share a format (they do in
+  // every published Qwen3.6 quantisation: the shared expert is quantised like the routed ones).
+  const int fmt_in = M.gate.format, fmt_down = M.down.format;
+  if (M.up.format != fmt_in || M.shared_gate_proj.format != fmt_in || M.shared_up.format != fmt_in ||
+      M.shared_down.format != fmt_down || M.gate.w_row_bytes != M.up.w_row_bytes || M.gate.w_expert_bytes != M.up.w_expert_bytes ||
+      M.gate.s_row_bytes != M.up.s_row_bytes || M.gate.s_expert_bytes != M.up.s_expert_bytes ||
+      M.shared_gate_proj.w_row_bytes != M.shared_up.w_row_bytes || M.shared_gate_proj.s_row_bytes != M.shared_up.s_row_bytes)
+    throw std::invalid_argument("[moe_decode] routed and shared gate/up (and down) matrices must share format and strides");
+  const int ld_h = std::max(I, Is);
+  const uint64_t h_bytes = uint64_t(k + 1) * ld_h * 2, k4 = uint64_t(k) * 4;
+  const Grid threads{uint32_t(LILY_MOE_GEMV_SIMDGROUPS * LILY_SIMD_WIDTH), 1, 1};
+
+  encode_logits(enc, s, M.shared_gate, xn, 1, {s.shared_logit.get(), 0});
+  {
+    const MatrixBindings g = bind(M.gate, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0, s.none.get());
+    const MatrixBindings u = bind(M.up, LILY_MOE_GEMV_W1, LILY_MOE_GEMV_S1, LILY_MOE_GEMV_B1, s.none.get());
+    const MatrixBindings sg = bind(M.shared_gate_proj, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0, s.none.get());
+    const MatrixBindings su = bind(M.shared_up, LILY_MOE_GEMV_SW1, LILY_MOE_GEMV_SS1, LILY_MOE_GEMV_SB1, s.none.get());
+    const MoeGemvArgs args{.K = H, .N = I, .N_shared = Is, .K_shared = H, .top_k = k, .ld_h = ld_h,
+                           .W = strides(M.gate), .Ws = strides(M.shared_gate_proj)};
+    enc.dispatch(kGemvGateUp[fmt_in], Grid{cdiv(ld_h, LILY_MOE_GEMV_SIMDGROUPS), uint32_t(k + 1), 1}, threads, args,
+                 {{LILY_MOE_GEMV_X, xn.buffer, xn.offset, Access::read, uint64_t(H) * 2},
+                  {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::read, k4}, g.w, g.s, g.b, u.w, u.s, u.b, sg.w,
+                  sg.s, sg.b, su.w, su.s, su.b, {LILY_MOE_GEMV_OUT, s.h.get(), 0, Access::write, h_bytes}});
+  }
+  {
+    const MatrixBindings d = bind(M.down, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0, s.none.get());
+    const MatrixBindings sd = bind(M.shared_down, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0, s.none.get());
+    const MoeGemvArgs args{.K = I, .N = H, .N_shared = H, .K_shared = Is, .top_k = k, .ld_h = ld_h,
+                           .W = strides(M.down), .Ws = strides(M.shared_down)};
+    enc.dispatch(kGemvDown[fmt_down], Grid{cdiv(H, LILY_MOE_GEMV_SIMDGROUPS), 1, 1}, threads, args,
+                 {{LILY_MOE_GEMV_X, s.h.get(), 0, Access::read, h_bytes},
+                  {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::read, k4},
+                  {LILY_MOE_GEMV_WEIGHTS, weights.buffer, weights.offset, Access::read, k4},
+                  {LILY_MOE_GEMV_SHARED_LOGIT, s.shared_logit.get(), 0, Access::read, 4}, d.w, d.s, d.b, sd.w, sd.s,
+                  sd.b, {LILY_MOE_GEMV_OUT, x.buffer, x.offset, Access::read_write, uint64_t(H) * 4}});
+  }
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,149 @@
+// qgemm: the prefill (T > 1) dense projection out[t, r] (op)= sum_c W[r, c] * in[t, c] for in bf16 [T, cols],
+// W [rows, cols] as MLX affine q4/q8 (groups of 64, bf16 scale/bias) or bf16, out bf16 or f32 [T, rows] (or
+// added into the f32 residual). Prefill reuses every weight tile across many rows, so this is matrix work: a
+// threadgroup owns a LILY_QGEMM_BM (tokens) x LILY_QGEMM_BN (output rows) tile of out and steps k by one
+// quantisation group (LILY_QGEMM_BK = 64). Each step its 128 threads dequantise the BN x 64 weight tile
+// (w = scale * q + bias in fp32, rounded to bf16 as the matrix units consume it) and copy the BM x 64
+// activation tile into threadgroup memory; the complete bf16 W is never written to device memory (the
+// write-up's fused dequantisation). Four simdgroups in 2 x 2 each own a 16 x 16 sub-tile as 2 x 2
+// simdgroup_matrix 8x8 accumulators in fp32 (bf16 operands). Edge tiles (T, rows, and for bf16 W cols not
+// multiples of the tile) are zero-filled in threadgroup memory and masked on store.
+// Previous hop: csrc/backends/metal/dense.cpp (encode_project with T > 1).
+#include <metal_stdlib>
+#include "lily_args.h"
+
+using namespace metal;
+
+template <int MODE>
+inline void dense_store(device uchar* out, long i, float v) {
+  if (MODE == LILY_OUT_BF16) {
+    ((device bfloat*)out)[i] = bfloat(v);
+  } else if (MODE == LILY_OUT_F32) {
+    ((device float*)out)[i] = v;
+  } else {
+    ((device float*)out)[i] += v;
+  }
+}
+
+// Template values: FMT = LilyWeightFormat of W (q4 / q8 / bf16), MODE = LilyOutMode (bf16 / f32 / f32 add).
+template <int FMT, int MODE>
+kernel void qgemm(constant DenseArgs& args [[buffer(0)]],
+                  device const uchar* w [[buffer(LILY_DENSE_W)]],
+                  device const uchar* scales [[buffer(LILY_DENSE_SCALES)]],
+                  device const uchar* biases [[buffer(LILY_DENSE_BIASES)]],
+                  device const bfloat* in [[buffer(LILY_DENSE_IN)]],
+                  device uchar* out [[buffer(LILY_DENSE_OUT)]],
+                  uint2 tg [[threadgroup_position_in_grid]],
+                  uint tid [[thread_index_in_threadgroup]],
+                  uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr int BM = LILY_QGEMM_BM, BN = LILY_QGEMM_BN, BK = LILY_QGEMM_BK;
+  threadgroup bfloat xs[BM * BK];  // activations [token][k]
+  threadgroup bfloat ws[BN * BK];  // dequantised weights [row][k]
+  threadgroup float cs[BM * BN];   // the finished tile, for the masked, mode-dependent store
+
+  const int n0 = int(tg.x) * BN;  // first output row (feature) of the tile
+  const int m0 = int(tg.y) * BM;  // first token of the tile
+  const int cols = args.cols;
+  // Loader mapping: 128 threads x 16 values = one 32 x 64 tile; thread -> tile row lr, columns [lc, lc + 16)
+  // (inside one group: one scale and bias; one wide load per thread).
+  const int lr = int(tid) / 4, lc = (int(tid) % 4) * 16;
+  // Simdgroup (sm, sn) owns tokens [16 sm, 16 sm + 16) x rows [16 sn, 16 sn + 16) of the tile.
+  const int sm = int(sg) / 2, sn = int(sg) % 2;
+
+  simdgroup_float8x8 acc[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+  const int t = m0 + lr;     // token this thread loads
+  const int row = n0 + lr;   // weight row this thread dequantises
+  for (int k0 = 0; k0 < cols; k0 += BK) {
+    const int c = k0 + lc;
+    const bool whole = c + 16 <= cols;  // always, for quantised W (cols % 64 == 0)
+    // Activation tile.
+    threadgroup bfloat* xd = xs + lr * BK + lc;
+    if (t < args.T && whole && (args.ld_in & 3) == 0) {
+      device const bfloat4* x4 = (device const bfloat4*)(in + long(t) * args.ld_in + c);
+      for (int k = 0; k < 4; ++k) {
+        const bfloat4 v = x4[k];
+        for (int j = 0; j < 4; ++j) xd[4 * k + j] = v[j];
+      }
+    } else {
+      for (int j = 0; j < 16; ++j) xd[j] = (t < args.T && c + j < cols) ? in[long(t) * args.ld_in + c + j] : bfloat(0.0f);
+    }
+    // Weight tile, dequantised on the way in.
+    threadgroup bfloat* wd = ws + lr * BK + lc;
+    if (row >= args.rows) {
+      for (int j = 0; j < 16; ++j) wd[j] = bfloat(0.0f);
+    } else {
+      device const uchar* wr = w + ulong(row) * args.w_row_bytes;
+      if (FMT == LILY_W_BF16) {
+        device const bfloat* wb = (device const bfloat*)wr + c;
+        if (whole && (args.w_row_bytes & 7) == 0) {
+          for (int k = 0; k < 4; ++k) {
+            const bfloat4 v = ((device const bfloat4*)wb)[k];
+            for (int j = 0; j < 4; ++j) wd[4 * k + j] = v[j];
+          }
+        } else {
+          for (int j = 0; j < 16; ++j) wd[j] = c + j < cols ? wb[j] : bfloat(0.0f);
+        }
+      } else {
+        const ulong g = ulong(row) * args.s_row_bytes + ulong(c / LILY_QGROUP) * 2;
+        const float s = float(*(device const bfloat*)(scales + g));
+        const float b = float(*(device const bfloat*)(biases + g));
+        if (FMT == LILY_W_Q4) {
+          const uint2 q = *(device const uint2*)(wr + c / 2);
+          for (int j = 0; j < 8; ++j) {
+            wd[j] = bfloat(s * float((q.x >> (4 * j)) & 0xFu) + b);
+            wd[8 + j] = bfloat(s * float((q.y >> (4 * j)) & 0xFu) + b);
+          }
+        } else {
+          const uint4 q = *(device const uint4*)(wr + c);
+          for (int k = 0; k < 4; ++k)
+            for (int j = 0; j < 4; ++j) wd[4 * k + j] = bfloat(s * float((q[k] >> (8 * j)) & 0xFFu) + b);
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    for (int kk = 0; kk < BK; kk += 8) {
+      simdgroup_bfloat8x8 a[2], bt[2];
+      for (int i = 0; i < 2; ++i) simdgroup_load(a[i], xs + (sm * 16 + i * 8) * BK + kk, BK);
+      // B[k][r] = W[r][k]: the transpose of the [row][k] tile.
+      for (int j = 0; j < 2; ++j) simdgroup_load(bt[j], ws + (sn * 16 + j * 8) * BK + kk, BK, ulong2(0, 0), true);
+      for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], bt[j], acc[i][j]);
+    }
+    // The next step overwrites xs / ws.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) simdgroup_store(acc[i][j], cs + (sm * 16 + i * 8) * BN + sn * 16 + j * 8, BN);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Store: 128 threads x 8 values; four adjacent threads write 32 consecutive features of one token.
+  const int st = int(tid) / 4, sc = (int(tid) % 4) * 8;
+  if (m0 + st < args.T) {
+    for (int j = 0; j < 8; ++j) {
+      const int r = n0 + sc + j;
+      if (r < args.rows) dense_store<MODE>(out, long(m0 + st) * args.ld_out + r, cs[st * BN + sc + j]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- instantiations (metal/kernels.def, dense)
+
+#define LILY_QGEMM(name, FMT, MODE)                                                                         \
+  template [[host_name(name)]] [[kernel]] void qgemm<FMT, MODE>(                                           \
+      constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device const bfloat*, \
+      device uchar*, uint2, uint, uint);
+
+LILY_QGEMM("qgemm_q4_bf16", LILY_W_Q4, LILY_OUT_BF16)
+LILY_QGEMM("qgemm_q4_f32", LILY_W_Q4, LILY_OUT_F32)
+LILY_QGEMM("qgemm_q4_f32add", LILY_W_Q4, LILY_OUT_F32_ADD)
+LILY_QGEMM("qgemm_q8_bf16", LILY_W_Q8, LILY_OUT_BF16)
+LILY_QGEMM("qgemm_q8_f32", LILY_W_Q8, LILY_OUT_F32)
+LILY_QGEMM("qgemm_q8_f32add", LILY_W_Q8, LILY_OUT_F32_ADD)
+LILY_QGEMM("qgemm_bf16_bf16", LILY_W_BF16, LILY_OUT_BF16)
+LILY_QGEMM("qgemm_bf16_f32", LILY_W_BF16, LILY_OUT_F32)
+LILY_QGEMM("qgemm_bf16_f32add", LILY_W_BF16, LILY_OUT_F32_ADD)

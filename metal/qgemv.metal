@@ -1,0 +1,124 @@
+// qgemv: the decode (T = 1) dense projection out[r] (op)= sum_c W[r, c] * in[c], W [rows, cols] stored as
+// MLX affine q4/q8 (groups of 64, bf16 scale and bias per group; w = scale * q + bias in fp32) or bf16,
+// in bf16 [cols], out bf16 or f32 [rows] (or added into the f32 residual). Decode reuses no weight, so
+// the kernel is bound by the bytes of W it reads, and reads each exactly once: a simdgroup owns
+// LILY_QGEMV_ROWS output rows and sweeps them together, each lane taking LILY_QGEMV_VALUES = 16 consecutive
+// columns per step (one 8-byte q4, 16-byte q8 or 32-byte bf16 load per row, so the 32 lanes read one
+// contiguous run of the row), with the activations loaded once per step and reused across its rows;
+// simd_sum combines the lanes. A threadgroup holds LILY_QGEMV_SIMDGROUPS independent simdgroups.
+// The 16 columns of a lane lie in one quantisation group, so a group's contribution is
+// scale * sum(q * x) + bias * sum(x), with sum(x) shared by all rows (MLX's qmv factorisation).
+// Previous hop: csrc/backends/metal/dense.cpp (encode_project with T == 1).
+#include <metal_stdlib>
+#include "lily_args.h"
+
+using namespace metal;
+
+// MODE: LilyOutMode. f32_add is a read-modify-write of the residual by the one lane that owns the row.
+template <int MODE>
+inline void dense_store(device uchar* out, long i, float v) {
+  if (MODE == LILY_OUT_BF16) {
+    ((device bfloat*)out)[i] = bfloat(v);
+  } else if (MODE == LILY_OUT_F32) {
+    ((device float*)out)[i] = v;
+  } else {
+    ((device float*)out)[i] += v;
+  }
+}
+
+// Template values: FMT = LilyWeightFormat of W (q4 / q8 / bf16), MODE = LilyOutMode (bf16 / f32 / f32 add).
+template <int FMT, int MODE>
+kernel void qgemv(constant DenseArgs& args [[buffer(0)]],
+                  device const uchar* w [[buffer(LILY_DENSE_W)]],
+                  device const uchar* scales [[buffer(LILY_DENSE_SCALES)]],
+                  device const uchar* biases [[buffer(LILY_DENSE_BIASES)]],
+                  device const bfloat* in [[buffer(LILY_DENSE_IN)]],
+                  device uchar* out [[buffer(LILY_DENSE_OUT)]],
+                  uint tg [[threadgroup_position_in_grid]],
+                  uint sg [[simdgroup_index_in_threadgroup]],
+                  uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int R = LILY_QGEMV_ROWS;
+  constexpr int NV = LILY_QGEMV_VALUES;
+  const int r0 = (int(tg) * LILY_QGEMV_SIMDGROUPS + int(sg)) * R;
+  const int cols = args.cols;
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+
+  for (int c = int(lane) * NV; c < cols; c += LILY_SIMD_WIDTH * NV) {
+    // The activations of this step, in fp32 registers. Quantised cols are multiples of 64, so a chunk is
+    // whole; a bf16 W may end in a partial chunk (read element by element, zeros past the end).
+    float x[NV];
+    const bool whole = c + NV <= cols;
+    if (whole) {
+      device const bfloat4* x4 = (device const bfloat4*)(in + c);
+      for (int k = 0; k < NV / 4; ++k) {
+        const bfloat4 v = x4[k];
+        for (int j = 0; j < 4; ++j) x[4 * k + j] = float(v[j]);
+      }
+    } else {
+      for (int j = 0; j < NV; ++j) x[j] = c + j < cols ? float(in[c + j]) : 0.0f;
+    }
+    float xsum = 0.0f;
+    if (FMT != LILY_W_BF16)
+      for (int j = 0; j < NV; ++j) xsum += x[j];
+
+    for (int r = 0; r < R; ++r) {
+      const int row = r0 + r;
+      if (row >= args.rows) break;
+      device const uchar* wr = w + ulong(row) * args.w_row_bytes;
+      float d = 0.0f;
+      if (FMT == LILY_W_BF16) {
+        if (whole) {
+          device const bfloat4* w4 = (device const bfloat4*)((device const bfloat*)wr + c);
+          for (int k = 0; k < NV / 4; ++k) {
+            const bfloat4 wv = w4[k];
+            const float4 v = float4(wv);
+            for (int j = 0; j < 4; ++j) d += v[j] * x[4 * k + j];
+          }
+        } else {
+          device const bfloat* ws = (device const bfloat*)wr + c;
+          for (int j = 0; j < NV && c + j < cols; ++j) d += float(ws[j]) * x[j];
+        }
+        acc[r] += d;
+      } else {
+        if (FMT == LILY_W_Q4) {
+          const uint2 q = *(device const uint2*)(wr + c / 2);
+          for (int j = 0; j < 8; ++j) {
+            d += float((q.x >> (4 * j)) & 0xFu) * x[j];
+            d += float((q.y >> (4 * j)) & 0xFu) * x[8 + j];
+          }
+        } else {
+          const uint4 q = *(device const uint4*)(wr + c);
+          for (int k = 0; k < 4; ++k)
+            for (int j = 0; j < 4; ++j) d += float((q[k] >> (8 * j)) & 0xFFu) * x[4 * k + j];
+        }
+        const ulong g = ulong(row) * args.s_row_bytes + ulong(c / LILY_QGROUP) * 2;
+        const float s = float(*(device const bfloat*)(scales + g));
+        const float b = float(*(device const bfloat*)(biases + g));
+        acc[r] += s * d + b * xsum;
+      }
+    }
+  }
+
+  for (int r = 0; r < R; ++r) {
+    const float v = simd_sum(acc[r]);
+    if (lane == 0 && r0 + r < args.rows) dense_store<MODE>(out, r0 + r, v);
+  }
+}
+
+// ---------------------------------------------------------------- instantiations (metal/kernels.def, dense)
+
+#define LILY_QGEMV(name, FMT, MODE)                                                                         \
+  template [[host_name(name)]] [[kernel]] void qgemv<FMT, MODE>(                                           \
+      constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device const bfloat*, \
+      device uchar*, uint, uint, uint);
+
+LILY_QGEMV("qgemv_q4_bf16", LILY_W_Q4, LILY_OUT_BF16)
+LILY_QGEMV("qgemv_q4_f32", LILY_W_Q4, LILY_OUT_F32)
+LILY_QGEMV("qgemv_q4_f32add", LILY_W_Q4, LILY_OUT_F32_ADD)
+LILY_QGEMV("qgemv_q8_bf16", LILY_W_Q8, LILY_OUT_BF16)
+LILY_QGEMV("qgemv_q8_f32", LILY_W_Q8, LILY_OUT_F32)
+LILY_QGEMV("qgemv_q8_f32add", LILY_W_Q8, LILY_OUT_F32_ADD)
+LILY_QGEMV("qgemv_bf16_bf16", LILY_W_BF16, LILY_OUT_BF16)
+LILY_QGEMV("qgemv_bf16_f32", LILY_W_BF16, LILY_OUT_F32)
+LILY_QGEMV("qgemv_bf16_f32add", LILY_W_BF16, LILY_OUT_F32_ADD)

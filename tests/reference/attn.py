@@ -1,0 +1,75 @@
+"""NumPy reference of the gated-attention family (spec §4.2-4.3; the same math as
+csrc/backends/reference/reference.cpp attn_prepare / attention), with the bf16 rounding points of the
+Metal kernels made explicit so that tests can compare the kernels' bf16 outputs tightly.
+
+Shapes: T rows, n_q query heads, n_kv KV heads, d head dim, r rotary dims, cap cache rows per KV head.
+  q_gate [T, n_q, 2d] (query | gate per head), k, v [T, n_kv, d], k_cache, v_cache [n_kv, cap, d].
+"""
+import numpy as np
+
+
+def bf16_bits(a):
+    """float32 -> bfloat16 bit pattern (uint16), round to nearest even (NaN not expected)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def bf16_float(bits):
+    """bfloat16 bit pattern (uint16) -> float32."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def bf16_round(a):
+    return bf16_float(bf16_bits(a))
+
+
+def rms_norm(x, w, eps):
+    """x [..., d] f32, w [d] (already 1 + w) -> f32."""
+    x = x.astype(np.float32)
+    inv = np.float32(1.0) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    return (x * inv * w.astype(np.float32)).astype(np.float32)
+
+
+def rope(x, positions, r, theta):
+    """Half-split partial RoPE on the first r dims of x [T, heads, d]; positions [T]."""
+    half = r // 2
+    j = np.arange(half, dtype=np.float32)
+    inv = np.float32(1.0) / np.power(np.float32(theta), (2 * j) / np.float32(r)).astype(np.float32)
+    ang = (np.asarray(positions, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float32)  # [T, half]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    y = x.astype(np.float32).copy()
+    a, b = x[..., :half], x[..., half:r]
+    y[..., :half] = a * c - b * s
+    y[..., half:r] = b * c + a * s
+    return y
+
+
+def prepare(q_gate, k, v, q_norm, k_norm, pos, r, theta, eps):
+    """-> (q [T, n_q, d], k_rows [T, n_kv, d], v_rows [T, n_kv, d]) as the kernel stores them (bf16-rounded)."""
+    T, n_q, d2 = q_gate.shape
+    d = d2 // 2
+    positions = pos + np.arange(T)
+    q = rope(rms_norm(q_gate[..., :d], q_norm, eps), positions, r, theta)
+    kk = rope(rms_norm(k, k_norm, eps), positions, r, theta)
+    return bf16_round(q), bf16_round(kk), bf16_round(v)
+
+
+def attention(q, gate, k_cache, v_cache, pos):
+    """Causal softmax(q·Kᵀ/√d)·V ⊙ σ(gate) in fp64 (the fp32 kernels must land within rounding of this).
+
+    q, gate [T, n_q, d]; caches [n_kv, cap, d]; row t sees cache rows [0, pos + t]. -> [T, n_q·d] float32.
+    """
+    T, n_q, d = q.shape
+    n_kv = k_cache.shape[0]
+    group = n_q // n_kv
+    out = np.zeros((T, n_q, d), dtype=np.float64)
+    for t in range(T):
+        n = pos + t + 1
+        for h in range(n_q):
+            K = k_cache[h // group, :n].astype(np.float64)
+            V = v_cache[h // group, :n].astype(np.float64)
+            s = K @ q[t, h].astype(np.float64) / np.sqrt(d)
+            p = np.exp(s - s.max())
+            o = (p / p.sum()) @ V
+            out[t, h] = o / (1.0 + np.exp(-gate[t, h].astype(np.float64)))
+    return out.reshape(T, n_q * d).astype(np.float32)

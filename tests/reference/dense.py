@@ -1,0 +1,91 @@
+"""NumPy reference of the dense family (metal/qgemv.metal, metal/qgemm.metal) and the MLX affine quantiser
+the tests use to make q4/q8 weights; the same math as csrc/backends/reference/reference.cpp dequant_row /
+matmul_rows, with the Metal kernels' rounding points made explicit.
+
+Shapes: T input rows, rows output features, cols input features, G = cols / 64 groups per row.
+  W [rows, cols]; codes uint32 [rows, cols * bits / 32] (element j at bits bits*(j % (32/bits)) of word
+  j // (32/bits)); scales, biases bf16 bits (uint16) [rows, G]; x bf16 bits [T, cols]; out [T, rows].
+"""
+import numpy as np
+
+GROUP = 64
+
+
+def bf16_bits(a):
+    """float32 -> bfloat16 bit pattern (uint16), round to nearest even (NaN not expected)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def bf16_float(bits):
+    """bfloat16 bit pattern (uint16) -> float32."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def bf16_round(a):
+    return bf16_float(bf16_bits(a))
+
+
+def pack(q, bits):
+    """codes uint [rows, cols] -> uint32 words [rows, cols * bits / 32]."""
+    per = 32 // bits
+    q = q.reshape(q.shape[0], -1, per).astype(np.uint32)
+    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
+    return np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
+
+
+def unpack(words, bits):
+    per = 32 // bits
+    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
+    q = (np.asarray(words, np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return q.reshape(words.shape[0], -1)
+
+
+def quantize(w, bits):
+    """MLX affine quantisation of w f32 [rows, cols] in groups of 64: per group scale = (max - min) / (2^bits - 1)
+    and bias = min, both stored bf16; codes = round((w - bias) / scale) clipped. Returns (codes uint32,
+    scales bf16 bits, biases bf16 bits)."""
+    rows, cols = w.shape
+    assert cols % GROUP == 0
+    g = w.astype(np.float32).reshape(rows, cols // GROUP, GROUP)
+    lo, hi = g.min(-1), g.max(-1)
+    n = np.float32((1 << bits) - 1)
+    s = bf16_round(np.maximum((hi - lo) / n, np.float32(1e-7)))
+    b = bf16_round(lo)
+    q = np.clip(np.rint((g - b[..., None]) / s[..., None]), 0, n).astype(np.uint32).reshape(rows, cols)
+    return pack(q, bits), bf16_bits(s), bf16_bits(b)
+
+
+def dequantize(codes, scales, biases, bits):
+    """w = scale * q + bias in fp32 (the kernels' and the reference backend's rule) -> f32 [rows, cols]."""
+    q = unpack(codes, bits).astype(np.float32)
+    rows, cols = q.shape
+    s, b = bf16_float(scales), bf16_float(biases)
+    w = q.reshape(rows, cols // GROUP, GROUP) * s[..., None] + b[..., None]
+    return w.reshape(rows, cols).astype(np.float32)
+
+
+def random_matrix(rng, rows, cols, bits):
+    """A random weight matrix in its stored form: (w bytes as uint8, scales, biases, W f32 as the kernels see it).
+    bits 0 = bf16."""
+    w = (rng.standard_normal((rows, cols)) * 0.5).astype(np.float32)
+    if bits == 0:
+        wb = bf16_bits(w)
+        empty = np.zeros(0, np.uint16)
+        return wb.view(np.uint8).reshape(rows, -1), empty, empty, bf16_float(wb)
+    codes, s, b = quantize(w, bits)
+    return codes.view(np.uint8).reshape(rows, -1), s, b, dequantize(codes, s, b, bits)
+
+
+def project(W, x_bits, mode, residual=None, gemm=False):
+    """out [T, rows] for x bf16 bits [T, cols]. The GEMV multiplies fp32 weights; the GEMM rounds the dequantised
+    weight tile to bf16 (the matrix units' operand type), so gemm=True rounds W first. mode 0: bf16 bits out,
+    1: f32, 2: residual + out (f32)."""
+    x = bf16_float(x_bits).astype(np.float64)
+    Wk = bf16_round(W) if gemm else W
+    y = (x @ Wk.astype(np.float64).T).astype(np.float32)
+    if mode == 0:
+        return y
+    if mode == 2:
+        return (residual + y).astype(np.float32)
+    return y

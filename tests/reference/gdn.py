@@ -1,0 +1,96 @@
+"""NumPy reference of the gdn family (metal/gdn.metal): the Gated DeltaNet mixer of qwen36-spec §4.4, the same math
+as csrc/backends/reference/reference.cpp gdn(), with the bf16 roundings of the Metal path (the conv outputs q̂, k̂
+and v are stored bf16 between kernels; the output is bf16). Everything else is fp32.
+
+Shapes: T rows; n_k key heads, n_v value heads, d_k / d_v head dims; C = 2·n_k·d_k + n_v·d_v conv channels
+(q ‖ k ‖ v); k_c = 4 conv taps.
+  qkv [T, C], z [T, n_v·d_v], b, a [T, n_v]     activations (bf16 values held in f32)
+  conv_w [C, k_c], A_log, dt_bias [n_v], norm_w [d_v]
+  conv_state [k_c − 1, C] (oldest row first), rec_state [n_v, d_k, d_v]
+"""
+import numpy as np
+
+F32 = np.float32
+
+
+def bf16_round(x):
+    """Round f32 to the nearest bf16 (ties to even), returned as f32."""
+    u = np.ascontiguousarray(x, dtype=F32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(F32)
+
+
+def bf16_bits(x):
+    """f32 values -> uint16 bf16 bit patterns (rounded to nearest even)."""
+    return (bf16_round(x).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def bf16_float(bits):
+    """uint16 bf16 bit patterns -> f32."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(F32)
+
+
+def silu(x):
+    x = x.astype(F32)
+    return (x / (F32(1) + np.exp(-x))).astype(F32)
+
+
+def sigmoid(x):
+    return (F32(1) / (F32(1) + np.exp(-x.astype(F32)))).astype(F32)
+
+
+def softplus(x):
+    x = x.astype(F32)
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(F32)
+
+
+def gates(b, a, A_log, dt_bias):
+    """b, a [T, n_v] -> β, α [T, n_v]."""
+    beta = sigmoid(b)
+    alpha = np.exp(-np.exp(A_log.astype(F32)) * softplus(a + dt_bias.astype(F32))).astype(F32)
+    return beta, alpha
+
+
+def conv_silu(qkv, conv_w, conv_state):
+    """Causal depthwise conv over [conv_state ‖ qkv] + SiLU -> (c [T, C], new conv_state [k_c − 1, C])."""
+    T = qkv.shape[0]
+    K = conv_w.shape[1]
+    u = np.concatenate([conv_state.astype(F32), qkv.astype(F32)], axis=0)
+    acc = np.zeros(qkv.shape, F32)
+    for j in range(K):
+        acc = (acc + conv_w[:, j].astype(F32) * u[j:j + T]).astype(F32)
+    return silu(acc), u[T:].copy()
+
+
+def gdn(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state, nk, nv, dk, dv, eps):
+    """One pass over T rows (chunking does not change the result). Returns (out f32 [T, n_v·d_v] before the
+    final bf16 store, new conv_state, new rec_state)."""
+    T = qkv.shape[0]
+    Kd = nk * dk
+    c, conv_state = conv_silu(qkv, conv_w, conv_state)
+    qs = c[:, :Kd].reshape(T, nk, dk)
+    ks = c[:, Kd:2 * Kd].reshape(T, nk, dk)
+    vs = bf16_round(c[:, 2 * Kd:]).reshape(T, nv, dv)
+
+    def l2(x, scale):
+        inv = (F32(1) / np.sqrt((x * x).sum(-1, keepdims=True, dtype=F32) + F32(1e-6))).astype(F32)
+        return bf16_round(x * (inv * F32(scale)))
+
+    qs = l2(qs, 1.0 / np.sqrt(F32(dk)))
+    ks = l2(ks, 1.0)
+    beta, alpha = gates(b, a, A_log, dt_bias)
+    S = rec_state.astype(F32).copy()
+    o = np.zeros((T, nv, dv), F32)
+    ratio = nv // nk
+    for h in range(nv):
+        kh = h // ratio
+        Sh = S[h]
+        for t in range(T):
+            Sh *= alpha[t, h]
+            m = ks[t, kh] @ Sh
+            delta = beta[t, h] * (vs[t, h] - m)
+            Sh += np.outer(ks[t, kh], delta)
+            o[t, h] = qs[t, kh] @ Sh
+    ms = (o * o).mean(-1, keepdims=True, dtype=F32)
+    y = o * (F32(1) / np.sqrt(ms + F32(eps))) * norm_w.astype(F32) * silu(z.reshape(T, nv, dv))
+    return y.reshape(T, nv * dv).astype(F32), conv_state, S

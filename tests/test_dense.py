@@ -1,0 +1,84 @@
+"""The dense family (metal/qgemv.metal for T = 1, metal/qgemm.metal for T > 1, through encode_project) on the
+emulated device against tests/reference/dense.py: q4 / q8 / bf16 weights, every output mode (bf16 store, f32
+store, f32 add into the residual), rows and cols not multiples of the tiles, T = 1, 2, 7, 33, under the
+forward, reverse and random schedules. The Counters show the GEMV reads each weight byte once and the GEMM
+writes nothing but its output (no dequantised copy of W)."""
+import numpy as np
+import pytest
+
+from reference import dense as ref
+
+kernels = pytest.importorskip("lily._core").kernels
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+
+PAGE = 4096
+
+
+def run(bits, rows, cols, T, mode, order, seed):
+    rng = np.random.default_rng(seed)
+    w, s, b, W = ref.random_matrix(rng, rows, cols, bits)
+    x = ref.bf16_bits(rng.standard_normal((T, cols)).astype(np.float32))
+    residual = rng.standard_normal((T, rows)).astype(np.float32)
+    r = kernels.project(w, s, b, bits, rows, cols, x, mode, residual, order=order, seed=seed)
+    want = ref.project(W, x, mode, residual, gemm=T > 1)
+    return r, want, W, x, residual
+
+
+def check(r, want, mode):
+    got = r["out"]
+    if mode == 0:
+        got = ref.bf16_float(got)
+        # fp32 accumulation (different order) then one bf16 rounding: within a bf16 ulp of the exact value,
+        # plus a small absolute floor for outputs near zero after cancellation.
+        tol = 2.0**-8 * np.abs(want) + 2e-5 * np.abs(want).max()
+    else:
+        tol = 1e-5 * np.abs(want) + 2e-5 * np.abs(want).max()
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
+    assert np.all(err <= tol), f"max err {err.max()} at {np.unravel_index(np.argmax(err - tol), err.shape)}"
+
+
+# GEMV (T = 1): rows not multiples of 8 (rows per threadgroup), cols not multiples of 512 (one step).
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("bits,rows,cols", [(4, 67, 320), (8, 13, 128), (0, 21, 64), (4, 8, 1024), (0, 9, 100)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_gemv(order, bits, rows, cols, mode):
+    r, want, *_ = run(bits, rows, cols, 1, mode, order, seed=1000 + order * 7 + bits + rows + mode)
+    check(r, want, mode)
+    assert r["counters"]["dispatches"] == 1
+
+
+# GEMM (T > 1): T and rows not multiples of the 32 x 32 tile, several k steps, a partial k step (bf16 cols 100).
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("bits,rows,cols,T", [(4, 40, 128, 2), (8, 33, 320, 7), (0, 70, 64, 33), (4, 65, 192, 33),
+                                              (0, 17, 100, 7)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_gemm(order, bits, rows, cols, T, mode):
+    r, want, *_ = run(bits, rows, cols, T, mode, order, seed=2000 + order * 7 + bits + rows + T + mode)
+    check(r, want, mode)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 0])
+def test_gemv_reads_each_weight_byte_once(bits):
+    # Large enough that every buffer spans several pages: the counts are page-granular.
+    rows, cols = 96, 1024 if bits else 512
+    r, want, *_ = run(bits, rows, cols, 1, 1, 0, seed=3000 + bits)
+    check(r, want, 1)
+    c = r["counters"]
+    buffers = 3 if bits else 1
+    assert abs(c["bytes_read"]["weights"] - r["matrix_bytes"]) <= PAGE * buffers
+    assert c["bytes_written"]["weights"] == 0
+
+
+@pytest.mark.parametrize("bits", [4, 0])
+def test_gemm_writes_only_its_output(bits):
+    rows, cols, T = 96, 512, 33
+    r, want, *_ = run(bits, rows, cols, T, 1, 0, seed=4000 + bits)
+    check(r, want, 1)
+    c = r["counters"]
+    out_bytes = T * rows * 4
+    assert c["bytes_written"]["activations"] <= out_bytes
+    assert c["bytes_written"]["activations"] >= out_bytes - PAGE
+    assert c["bytes_written"]["weights"] == 0
+    # The weights are read once per 32-token tile row (two here), never more.
+    assert c["bytes_read"]["weights"] <= r["matrix_bytes"] + 3 * PAGE

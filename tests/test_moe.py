@@ -1,0 +1,250 @@
+"""The MoE family (metal/moe.metal through csrc/backends/metal/moe.cpp) on the emulated device against
+tests/reference/moe.py: routing (softmax, top-k with ties -> lower index, renormalisation), the GPU-built
+grouping (histogram, offsets, block map, scatter) checked exactly, the prefill grouped GEMMs with both tile
+heights (bitwise equal), decode's fused GEMVs, an empty expert, a one-row expert, every assignment on one
+expert, T = 1, 3, 17, 40 with E = 8, 16 and k = 2, 4, 8, q4 / q8 / bf16 weights, HF's fused gate_up layout,
+under the forward, reverse and random schedules. The Counters show decode reads the selected experts' bytes
+once and a whole layer runs in one command buffer whose only CPU wait is the final one."""
+import numpy as np
+import pytest
+
+from reference import dense as dref
+from reference import moe as ref
+
+kernels = pytest.importorskip("lily._core").kernels
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+
+PAGE = 4096
+BITS = {"q4": 4, "q8": 8, "bf16": 0}
+
+
+def stacked(rng, E, rows, cols, bits, scale):
+    """E matrices [rows, cols] stacked as one tensor [E * rows, ...]: (codes u8, scales, biases, W f32 [E, rows, cols])."""
+    ws, ss, bs, Ws = [], [], [], []
+    for _ in range(E):
+        w, s, b, W = dref.random_matrix(rng, rows, cols, bits)
+        ws.append(w), ss.append(s), bs.append(b), Ws.append(W * np.float32(scale))
+        if bits:  # scale the affine parameters the same way (exact in bf16: scale is a power of two)
+            ss[-1] = dref.bf16_bits(dref.bf16_float(s) * np.float32(scale))
+            bs[-1] = dref.bf16_bits(dref.bf16_float(b) * np.float32(scale))
+        else:
+            ws[-1] = dref.bf16_bits(W * np.float32(scale)).view(np.uint8).reshape(rows, -1)
+    cat = lambda a: np.ascontiguousarray(np.concatenate(a)) if a[0].size else a[0]
+    return cat(ws), cat(ss), cat(bs), np.stack(Ws)
+
+
+def make_layer(seed, H, E, I, Is, fmt="q4", router_fmt="q8", fused=False):
+    """Random MoE weights: (mats for kernels.moe, f32 matrices for the reference)."""
+    rng = np.random.default_rng(seed)
+    bits, rbits = BITS[fmt], BITS[router_fmt]
+    # 1/4 and 1/8 keep activations O(1) through SwiGLU at these widths.
+    if fused:
+        gu = stacked(rng, E, 2 * I, H, bits, 0.25)
+        gate = (bits, E, I, H, 2 * I, 0, gu[0], gu[1], gu[2])
+        up = (bits, E, I, H, 2 * I, I, gu[0], gu[1], gu[2])
+        Wg, Wu = gu[3][:, :I], gu[3][:, I:]
+    else:
+        g, u = stacked(rng, E, I, H, bits, 0.25), stacked(rng, E, I, H, bits, 0.25)
+        gate, up = (bits, E, I, H, I, 0, *g[:3]), (bits, E, I, H, I, 0, *u[:3])
+        Wg, Wu = g[3], u[3]
+    d = stacked(rng, E, H, I, bits, 0.125)
+    r = stacked(rng, 1, E, H, rbits, 0.25)
+    sg, su, sd = (stacked(rng, 1, Is, H, bits, 0.25), stacked(rng, 1, Is, H, bits, 0.25),
+                  stacked(rng, 1, H, Is, bits, 0.125))
+    sgate = stacked(rng, 1, 1, H, rbits, 0.125)
+    mats = [(rbits, 0, E, H, E, 0, *r[:3]), gate, up, (bits, E, H, I, H, 0, *d[:3]),
+            (bits, 0, Is, H, Is, 0, *sg[:3]), (bits, 0, Is, H, Is, 0, *su[:3]), (bits, 0, H, Is, H, 0, *sd[:3]),
+            (rbits, 0, 1, H, 1, 0, *sgate[:3])]
+    f32 = dict(R=r[3][0], Wg=Wg, Wu=Wu, Wd=d[3], Sg=sg[3][0], Su=su[3][0], Sd=sd[3][0], sgate=sgate[3][0])
+    return mats, f32
+
+
+def inputs(seed, T, H):
+    rng = np.random.default_rng(seed + 1000)
+    xn = dref.bf16_bits(rng.standard_normal((T, H)).astype(np.float32))
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    return xn, x
+
+
+def random_routes(rng, T, E, k):
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.random((T, k)).astype(np.float32) + np.float32(0.05)
+    return ids, (w / w.sum(1, keepdims=True)).astype(np.float32)
+
+
+def call(mode, mats, E, k, H, I, Is, xn, x, ids=None, w=None, tile=0, order=0, seed=0):
+    T = xn.shape[0]
+    ids = np.zeros((T, k), np.int32) if ids is None else np.ascontiguousarray(ids, np.int32)
+    w = np.zeros((T, k), np.float32) if w is None else np.ascontiguousarray(w, np.float32)
+    return kernels.moe(mode, mats, E, k, H, I, Is, xn, x, ids, w, tile_rows=tile, order=order, seed=seed)
+
+
+def check_close(got, want, rel=3e-3):
+    """Errors relative to the output's scale: fp32 accumulation in another order, and the bf16 rounding of
+    h that can land one ulp apart. A wrong expert, weight or missing term is an O(1) error."""
+    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
+    err = np.abs(got.astype(np.float64) - want)
+    scale = np.abs(want).max()
+    assert err.max() <= rel * scale, f"max err {err.max()} (scale {scale}) at {np.unravel_index(err.argmax(), err.shape)}"
+
+
+def check_grouping(r, ids, w, E, k):
+    """The routing intermediates, exactly: offsets, block map, the hist left at zero, and a scatter that puts
+    every assignment in its expert's group with its token and weight."""
+    T = ids.shape[0]
+    bm = r["tile_rows"]
+    counts, offsets, blocks = ref.group(ids, E, bm)
+    np.testing.assert_array_equal(r["offsets"], offsets)
+    np.testing.assert_array_equal(r["hist_after"], 0)
+    bmap = r["blocks"]
+    assert tuple(bmap[0]) == (len(blocks), bm, T * k, 0)
+    np.testing.assert_array_equal(bmap[1:1 + len(blocks), :3], np.array(blocks, np.int32).reshape(-1, 3))
+    slot_of = r["slot_of"]
+    assert sorted(slot_of.tolist()) == list(range(T * k))
+    for a in range(T * k):
+        s, e = slot_of[a], ids.reshape(-1)[a]
+        assert offsets[e] <= s < offsets[e + 1]
+        assert r["slot_token"][s] == a // k
+        assert r["slot_weight"][s] == w.reshape(-1)[a]
+
+
+# ---------------------------------------------------------------- routing
+
+@pytest.mark.parametrize("T,E,k,rfmt,order", [(1, 8, 2, "q8", 0), (17, 16, 4, "q8", 1), (40, 8, 8, "bf16", 2),
+                                              (5, 64, 8, "q4", 0)])
+def test_route(T, E, k, rfmt, order):
+    H, I, Is = 128, 64, 64
+    mats, f = make_layer(T * 31 + E, H, E, I, Is, router_fmt=rfmt)
+    xn, x = inputs(T, T, H)
+    r = call("route", mats, E, k, H, I, Is, xn, x, order=order, seed=T)
+    logits = ref.router_logits(xn, f["R"])
+    np.testing.assert_allclose(r["logits"], logits, rtol=1e-5, atol=1e-5 * np.abs(logits).max())
+    ids, w = ref.route(r["logits"], k)  # top-k on the kernel's own logits: ids must agree exactly
+    np.testing.assert_array_equal(r["ids"], ids)
+    np.testing.assert_allclose(r["weights"], w, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(r["weights"].sum(1), 1.0, rtol=1e-5)
+
+
+def test_route_ties_lower_index():
+    """Pairs of identical router rows give bitwise-equal probabilities: the lower expert must come first."""
+    H, E, k, T = 128, 16, 6, 9
+    mats, f = make_layer(7, H, E, 64, 64, router_fmt="bf16")
+    codes = mats[0][6].reshape(E, -1).copy()
+    codes[1::2] = codes[0::2]
+    mats[0] = mats[0][:6] + (np.ascontiguousarray(codes), mats[0][7], mats[0][8])
+    xn, x = inputs(3, T, H)
+    r = call("route", mats, E, k, H, 64, 64, xn, x, order=2, seed=5)
+    ids = r["ids"]
+    for t in range(T):
+        assert all(ids[t, 2 * j] % 2 == 0 and ids[t, 2 * j + 1] == ids[t, 2 * j] + 1 for j in range(k // 2)), ids[t]
+        assert np.all(r["weights"][t, 0::2] == r["weights"][t, 1::2])
+    np.testing.assert_array_equal(ids, ref.route(r["logits"], k)[0])
+
+
+# ---------------------------------------------------------------- prefill
+
+PREFILL = [  # T, E, k, fmt, order, routes
+    (1, 8, 2, "q4", 0, "random"),
+    (3, 16, 4, "q8", 1, "random"),
+    (17, 8, 8, "bf16", 2, "random"),
+    (40, 16, 4, "q4", 2, "random"),
+    (17, 16, 2, "q4", 1, "edges"),     # expert 0 empty, expert 1 one row, the rest uneven
+    (12, 8, 1, "q8", 0, "one"),        # every assignment on one expert (k = 1: all rows in one group)
+]
+
+
+def routes_for(kind, rng, T, E, k):
+    if kind == "random":
+        return random_routes(rng, T, E, k)
+    ids, w = random_routes(rng, T, E, k)
+    if kind == "one":
+        ids[:] = 5
+        return ids, w
+    # edges: no assignment to expert 0, exactly one to expert 1
+    ids = np.stack([rng.choice(np.arange(2, E), k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[T // 2, 0] = 1
+    return ids, w
+
+
+@pytest.mark.parametrize("T,E,k,fmt,order,kind", PREFILL)
+def test_prefill(T, E, k, fmt, order, kind):
+    H, I, Is = 128, 64, 128
+    mats, f = make_layer(T * 7 + E + k, H, E, I, Is, fmt=fmt)
+    xn, x = inputs(T + k, T, H)
+    ids, w = routes_for(kind, np.random.default_rng(T), T, E, k)
+    want = ref.moe(xn, x, ids, w, f, round_weights=True)
+    outs = []
+    for tile in (16, 32):
+        r = call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, tile=tile, order=order, seed=T)
+        check_grouping(r, ids, w, E, k)
+        check_close(r["x"], want)
+        assert r["counters"]["cpu_waits"] == 1 and r["counters"]["command_buffers"] == 1
+        outs.append(r["x"])
+    np.testing.assert_array_equal(outs[0], outs[1])  # the tile height changes no row's arithmetic
+
+
+def test_prefill_fused_gate_up_and_auto_tile():
+    """HF layout: gate and up are the two halves of one [E, 2I, H] tensor (expert stride 2I rows). T*k >= 32E
+    picks the 32-row tile by the rule."""
+    T, E, k, H, I, Is = 40, 8, 8, 128, 64, 64
+    mats, f = make_layer(11, H, E, I, Is, fmt="q4", fused=True)
+    xn, x = inputs(4, T, H)
+    ids, w = random_routes(np.random.default_rng(2), T, E, k)
+    r = call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, order=2, seed=9)
+    assert r["tile_rows"] == 32
+    check_grouping(r, ids, w, E, k)
+    check_close(r["x"], ref.moe(xn, x, ids, w, f, round_weights=True))
+
+
+# ---------------------------------------------------------------- decode
+
+@pytest.mark.parametrize("fmt,k,order,fused", [("q4", 4, 0, False), ("q8", 2, 1, False), ("bf16", 8, 2, False),
+                                               ("q4", 4, 2, True)])
+def test_decode(fmt, k, order, fused):
+    H, E, I, Is = 256, 16, 128, 128
+    mats, f = make_layer(21 + k, H, E, I, Is, fmt=fmt, fused=fused)
+    xn, x = inputs(k, 1, H)
+    ids, w = random_routes(np.random.default_rng(k), 1, E, k)
+    r = call("decode", mats, E, k, H, I, Is, xn, x, ids, w, order=order, seed=k)
+    check_close(r["x"], ref.moe(xn, x, ids, w, f, round_weights=False), rel=1e-3)
+    # Weight bytes: each selected expert's gate, up, down once, the shared expert once, the shared gate row;
+    # page granularity adds at most a page per contiguous run touched (scales/biases of one matrix are small).
+    mb = r["matrix_bytes"]
+    need = k * (mb[1] + mb[2] + mb[3]) + mb[4] + mb[5] + mb[6] + mb[7]
+    got = r["counters"]["bytes_read"]["weights"]
+    runs = (k * 3 + 4) * 3
+    # Fused gate_up: the gate and up slots' extents interleave in one tensor, so a touched page of either is
+    # counted by both slots.
+    overlap = k * (mb[1] + mb[2]) if fused else 0
+    assert need <= got <= need + overlap + runs * 2 * PAGE, (got, need)
+    everything = E * (mb[1] + mb[2] + mb[3])
+    assert got < need + (everything - k * (mb[1] + mb[2] + mb[3])) / 2  # far from reading unselected experts
+    assert r["counters"]["stages"] == 2
+
+
+# ---------------------------------------------------------------- a whole layer
+
+@pytest.mark.parametrize("T,E,k", [(1, 16, 4), (17, 8, 2)])
+def test_layer(T, E, k):
+    """Route + experts in one command buffer: the block map never visits the CPU (one wait, at the end)."""
+    H, I, Is = 128, 64, 64
+    mats, f = make_layer(5 + T, H, E, I, Is, fmt="q4")
+    xn, x = inputs(T, T, H)
+    r = call("layer", mats, E, k, H, I, Is, xn, x, order=2, seed=1)
+    c = r["counters"]
+    assert c["command_buffers"] == 1 and c["cpu_waits"] == 1
+    ids, w = ref.route(r["logits"], k)
+    np.testing.assert_array_equal(r["ids"], ids)
+    check_close(r["x"], ref.moe(xn, x, r["ids"], r["weights"], f, round_weights=T > 1))
+
+
+def test_schedules_agree_bitwise():
+    """Every result is independent of thread, threadgroup and dispatch order: the scatter's atomic slot order
+    changes where a row lives, never its arithmetic, and combine sums in j order."""
+    T, E, k, H, I, Is = 17, 16, 4, 128, 64, 64
+    mats, f = make_layer(99, H, E, I, Is, fmt="q4")
+    xn, x = inputs(8, T, H)
+    ids, w = random_routes(np.random.default_rng(8), T, E, k)
+    outs = [call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, order=o, seed=o + 3)["x"] for o in (0, 1, 2)]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(outs[0], o)
