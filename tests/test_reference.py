@@ -99,7 +99,7 @@ def test_greedy_generation_matches_transformers():
     d = tm.get_model(geom, "hf_bf16")
     engine = lily.Engine.from_pretrained(d)
     prompt = tm.default_prompt_ids()
-    ref = tm.greedy_tokens(tm.hf_logits, d, prompt, 16)
+    ref = tm.hf_greedy(d, prompt, 16)
     out = engine.generate(prompt, max_tokens=16)
     n = len(out.token_ids)
     assert out.token_ids == ref[:n]

@@ -21,13 +21,17 @@ What it provides
     laid out like the real one: fused experts, >= 2 safetensors shards + index, an extra
     shard with synthetic ``mtp.*`` tensors, ``A_log`` in float32, everything else in
     ``dtype`` (bf16 by default), ``text_config.dtype`` and ``full_attention_interval``
-    written into ``config.json``.  Every value is bf16-representable, so the ``hf_bf16``
-    and ``hf_f32`` checkpoints of one geometry hold *identical* numbers.
+    written into ``config.json``.  Every value except ``A_log`` is bf16-representable and
+    ``A_log`` is float32 in both, so the ``hf_bf16`` and ``hf_f32`` checkpoints of one
+    geometry hold *identical* numbers (``A_log`` carries full f32 precision, so a loader
+    that rounds it to bf16 is detectable).
   - :func:`build_mlx` -- ``mlx_lm.convert`` of an HF checkpoint (optionally 4-bit/g64 with
     the real recipe's 8-bit ``mlp.gate`` / ``mlp.shared_expert_gate`` overrides).
   - :func:`build_hf_twin` -- an fp32 HF checkpoint holding exactly the *effective* weights
     of an MLX checkpoint (dequantised, norm shift undone, conv transposed back, experts
-    re-fused).  Use it as the reference for quantised implementations (pitfall 11).
+    re-fused), dequantised the way the f32-cast mlx model computes (f32 ``s*q + b``; native
+    bf16 ``mx.dequantize`` would give rnd(rnd(s*q) + b)).  Use it as the reference for
+    quantised implementations (pitfall 11).
 
 * :func:`get_model` -- ``get_model(geom, kind) -> Path`` with a two-level cache (in-process
   dict + on-disk directory under ``$LILY_TEST_MODELS`` or ``~/.cache/lily-test-models``,
@@ -45,8 +49,10 @@ What it provides
     its prompt cache.  All floating parameters are cast to float32 after loading (the MLX
     CPU backend cannot run bf16 MoE; quantised weights stay uint32, scales/biases become
     f32, which is exact), so ``mlx_q4_bf16`` means "bf16-stored scales, evaluated in f32".
-  - :func:`hf_greedy`, :func:`mlx_greedy`, :func:`rel_err_per_position`, :func:`mean_kl`,
-    :func:`top1_prob`.
+  - :func:`hf_greedy`, :func:`mlx_greedy` (cached greedy continuations; also
+    ``greedy_tokens(runner, dir, prompt_ids, steps)``),
+    :func:`hf_probe` (router logits / chosen experts / GDN decay and beta per layer),
+    :func:`rel_err_per_position`, :func:`mean_kl`, :func:`top1_prob`, :func:`top2_margin`.
 
 Numerical facts the fixtures are built around (see tests/test_fixtures.py):
 
@@ -55,17 +61,34 @@ Numerical facts the fixtures are built around (see tests/test_fixtures.py):
   (pitfall 6), which is then exact, so ``mlx_f32`` and ``hf_f32`` hold the *same* model and
   agree to ~1e-6 relative.  A geometry with ``snap_norms=False`` (:data:`GVA1_HD32`)
   reproduces the real-checkpoint situation where MLX files hold bf16(1+w) != 1+w.
-* The :data:`PEAKED` geometry scales ``lm_head`` and correlates it with the embedding so
-  the output distributions are peaked (mean top-1 prob > 0.5) and greedy decoding is
-  stable under bf16 noise; the other geometries have flat distributions (top-1 ~ 0.01).
+* The :data:`PEAKED` geometry scales ``lm_head`` (x6) and adds a row-permuted copy of the
+  embedding to it, so outputs are peaked (mean top-1 prob ~0.9 vs ~0.01 for the flat
+  geometries) while still context dependent (~30 % of argmaxes change when the earlier
+  context is replaced).  Greedy decoding of :data:`DEFAULT_PROMPT` is identical for
+  transformers fp32 / bf16 and mlx for >= 24 tokens (tested).  No random model is
+  flip-proof: on random prompts roughly 1 in 4 bf16 greedy runs diverges from fp32 within
+  32 tokens, so compare greedy tokens only where :func:`top2_margin` of the reference is
+  comfortably above the noise (bf16 noise is ~1e-2 relative).
+* ``mlx_bf16`` (unquantised bf16 MoE) cannot run natively on MLX's CPU backend
+  (``gather_mm`` is f32-only); :func:`mlx_logits` runs it after an f32 cast.
 
 Usage
 -----
 In tests (fixtures in tests/conftest.py)::
 
-    def test_something(model_dir, prompt_ids):
-        hf = model_dir(BASE, "hf_bf16")            # Path to a HF checkpoint directory
-        ref_prefill, ref_decode = hf_logits(hf, prompt_ids, decode_ids=[5, 6, 7])
+    import tinymodels as tm
+
+    def test_something(model_dir, geom, prompt_ids, ref_logits):   # geom: every default geometry
+        hf = model_dir(geom, "hf_bf16")            # Path to an HF checkpoint directory
+        q4 = model_dir(geom, "mlx_q4_bf16")        # mlx-community style 4-bit checkpoint
+        pre, dec = ref_logits(geom, "hf_f32", prompt_ids, decode_ids=[5, 6, 7])  # memoised
+        twin_pre, _ = ref_logits(geom, "hf_twin_mlx_q4_bf16", prompt_ids)      # q4 reference
+        mine = my_engine_logits(q4, prompt_ids)
+        assert tm.rel_err_per_position(mine, twin_pre).max() < 1e-4
+
+Outside pytest: ``tm.get_model(tm.BASE, "hf_bf16")``, ``tm.hf_logits(path, ids)`` etc.
+``LILY_TEST_MODELS=/some/dir`` moves the cache; bump :data:`CACHE_VERSION` after changing
+anything that alters the built files.
 
 Standalone: ``python tests/tinymodels.py [geometry names...]`` builds the listed (default:
 all default) geometries' HF checkpoints and prints paths and timings.
@@ -92,7 +115,7 @@ from typing import Sequence
 import numpy as np
 
 # Bump whenever anything that changes the bytes of a built model changes.
-CACHE_VERSION = "lily-tiny-v3"
+CACHE_VERSION = "lily-tiny-v4"
 
 N_BPE = 2048  # real Qwen3.6 BPE ranks kept by the tiny tokenizer
 
@@ -146,7 +169,8 @@ DEFAULT_PROMPT = (
 class TinyGeometry:
     """Sizes and init of one tiny ``qwen3_5_moe`` model.
 
-    Weight init (all values are rounded to bf16-representable floats):
+    Weight init (all values except ``A_log`` are rounded to bf16-representable floats;
+    ``A_log`` keeps full float32 precision, as in the real checkpoint):
 
     * linear / expert weights: N(0, (init_std / sqrt(fan_in))^2)
       (so every projection roughly preserves RMS when init_std = 1);
@@ -159,7 +183,7 @@ class TinyGeometry:
       is exact;
     * GDN: conv N(0, 0.5^2); ``A_log = log U(1, 16)``; ``dt_bias = log(expm1(dt))`` with
       dt log-uniform in [1e-3, 1e-1] (Mamba init; decay exp(-A softplus(a + dt_bias)) spans
-      ~0.2 .. 0.999); ``in_proj_a`` at half scale so dt_bias matters; gated-norm weight
+      mostly 0.5 .. 0.999, occasionally ~0.01); ``in_proj_a`` at half scale so dt_bias matters; gated-norm weight
       1 + N(0, 0.2^2);
     * router ``mlp.gate`` at ``router_gain`` times the linear scale (spread-out routing).
     """
@@ -245,7 +269,7 @@ class TinyGeometry:
 
 # Named geometries.  GVA = lin_v_heads / lin_k_heads, GQA = n_q / n_kv.
 BASE = TinyGeometry(tag="base")  # GVA 2, GQA 2, hd 64, lin d 32, E16 top-4, interval 4
-PEAKED = dataclasses.replace(BASE, tag="peaked", seed=4321, lm_head_gain=4.0, lm_head_embed_mix=1.5)
+PEAKED = dataclasses.replace(BASE, tag="peaked", seed=4321, lm_head_gain=6.0, lm_head_embed_mix=1.0)
 GVA1_HD32 = TinyGeometry(  # GVA 1, GQA 4, hd 32, lin d 64, E8 top-2, unsnapped norms
     tag="gva1", hidden=64, n_q=4, n_kv=1, head_dim=32, lin_k_heads=2, lin_v_heads=2,
     lin_k_dim=64, lin_v_dim=64, experts=8, top_k=2, moe_inter=64, shared_inter=128,
@@ -373,7 +397,7 @@ def _mrope_section(rotary_dim: int) -> list[int]:
     return [half - 2 * (half // 3), half // 3, half // 3]
 
 
-def hf_config(geom: TinyGeometry, dtype_name: str = "bfloat16"):
+def hf_config(geom: TinyGeometry):
     from transformers import Qwen3_5MoeConfig
     g = geom
     text = dict(
@@ -459,7 +483,9 @@ def _randomize_(model, geom: TinyGeometry) -> None:
                 v = randn(s, std)
             else:
                 raise AssertionError(f"unhandled parameter {name} {tuple(s)}")
-            p.copy_(_bf16(v))
+            # every value bf16-representable, except A_log: the real checkpoint stores it in
+            # float32, so a loader that rounds it to bf16 must be detectable
+            p.copy_(v if name.endswith("A_log") else _bf16(v))
         head = params["lm_head.weight"]
         scale = geom.lm_head_gain / np.sqrt(geom.hidden)
         v = randn(head.shape, scale)
@@ -539,11 +565,12 @@ def build_hf(geom: TinyGeometry, out_dir: Path, dtype: str = "bfloat16") -> Path
     torch.manual_seed(geom.seed)
     model = Qwen3_5MoeForConditionalGeneration(hf_config(geom)).eval()
     _randomize_(model, geom)
+    a_log = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("A_log")}
     model = model.to(getattr(torch, dtype))
-    with torch.no_grad():  # real checkpoint keeps A_log in float32
+    with torch.no_grad():  # real checkpoint keeps A_log in float32 (full f32 precision here)
         for n, p in model.named_parameters():
-            if n.endswith("A_log"):
-                p.data = p.data.to(torch.float32)
+            if n in a_log:
+                p.data = a_log[n]
     model.generation_config = GenerationConfig(**_generation_config_dict())
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # >= 2 regular shards (the mtp shard comes on top); fused experts (pitfall 1)
@@ -689,7 +716,11 @@ def _cached_build(final: Path, builder) -> Path:
 def get_tokenizer_dir() -> Path:
     key = ("tokenizer",)
     if key not in _MEMO:
-        _MEMO[key] = _cached_build(cache_root() / CACHE_VERSION / f"tokenizer-{N_BPE}", build_tokenizer_files)
+        final = cache_root() / CACHE_VERSION / f"tokenizer-{N_BPE}"
+        t0, done_before = time.perf_counter(), (final / ".complete").exists()
+        _MEMO[key] = _cached_build(final, build_tokenizer_files)
+        if not done_before:
+            BUILD_TIMES[("tokenizer", f"{N_BPE} ranks")] = time.perf_counter() - t0
     return _MEMO[key]
 
 
@@ -785,7 +816,7 @@ def _mlx_stepper(mlx_dir: Path):
 def _logits(stepper, prompt_ids, decode_ids):
     prefill, step = stepper
     pre = prefill(list(prompt_ids))
-    steps = [step(t) for t in (decode_ids or [])]
+    steps = [step(t) for t in ([] if decode_ids is None else list(decode_ids))]
     dec = np.stack(steps) if steps else np.zeros((0, pre.shape[-1]), np.float32)
     return pre.astype(np.float32), dec.astype(np.float32)
 
@@ -830,6 +861,20 @@ def mlx_greedy(mlx_dir: Path, prompt_ids: Sequence[int], steps: int) -> list[int
     return _greedy(_mlx_stepper(mlx_dir), prompt_ids, steps)
 
 
+def greedy_tokens(runner, model_dir: Path, prompt_ids: Sequence[int], steps: int, **kw) -> list[int]:
+    """Greedy continuation with ``runner`` = :func:`hf_logits` or :func:`mlx_logits` (kept for
+    existing callers; dispatches to the cached :func:`hf_greedy` / :func:`mlx_greedy`)."""
+    if runner is hf_logits:
+        return hf_greedy(model_dir, prompt_ids, steps, **kw)
+    if runner is mlx_logits:
+        return mlx_greedy(model_dir, prompt_ids, steps)
+    toks: list[int] = []  # any other runner with the same contract (re-runs the prefill)
+    for _ in range(steps):
+        pre, dec = runner(model_dir, prompt_ids, toks or None, **kw)
+        toks.append(int(np.argmax(dec[-1] if len(dec) else pre[-1])))
+    return toks
+
+
 def rel_err_per_position(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """‖a − b‖₂ / ‖b‖₂ for every row (last axis is the vocabulary); ``b`` is the reference."""
     a = np.asarray(a, np.float64)
@@ -851,6 +896,48 @@ def mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 def top1_prob(logits: np.ndarray) -> np.ndarray:
     return np.exp(_log_softmax(logits).max(-1))
+
+
+def top2_margin(logits: np.ndarray) -> np.ndarray:
+    """logit(top-1) - logit(top-2) per row: how far a greedy choice is from flipping."""
+    s = np.sort(np.asarray(logits, np.float64), axis=-1)
+    return s[..., -1] - s[..., -2]
+
+
+def hf_probe(hf_dir: Path, prompt_ids: Sequence[int]) -> dict:
+    """Internals of a transformers fp32 prefill, per layer index:
+
+    * ``router_logits[i]`` [T, E] and ``experts[i]`` [T, top_k] (selected expert ids);
+    * ``gdn_decay[i]`` [T, n_v] = exp(-exp(A_log) * softplus(a + dt_bias)) and
+      ``gdn_beta[i]`` [T, n_v] = sigmoid(b) for linear-attention layers.
+    """
+    import torch
+    model = _hf_load(hf_dir, torch.float32)
+    rec: dict = {"router_logits": {}, "experts": {}, "gdn_decay": {}, "gdn_beta": {}}
+    hooks = []
+    for i, layer in enumerate(model.model.language_model.layers):
+        def gate_hook(_m, _inp, out, i=i):
+            rec["router_logits"][i] = out[0].detach().float().numpy()
+            rec["experts"][i] = out[2].detach().numpy()
+        hooks.append(layer.mlp.gate.register_forward_hook(gate_hook))
+        la = getattr(layer, "linear_attn", None)
+        if la is not None:
+            def a_hook(_m, _inp, out, i=i, la=la):
+                a = out.detach().float()[0]
+                g = -torch.exp(la.A_log.float()) * torch.nn.functional.softplus(a + la.dt_bias.float())
+                rec["gdn_decay"][i] = torch.exp(g).numpy()
+
+            def b_hook(_m, _inp, out, i=i):
+                rec["gdn_beta"][i] = torch.sigmoid(out.detach().float()[0]).numpy()
+            hooks.append(la.in_proj_a.register_forward_hook(a_hook))
+            hooks.append(la.in_proj_b.register_forward_hook(b_hook))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[int(t) for t in prompt_ids]]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rec
 
 
 def default_prompt_ids() -> list[int]:

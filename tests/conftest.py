@@ -1,0 +1,109 @@
+"""Shared pytest fixtures: tiny reference models (see tests/tinymodels.py) and a seeded rng.
+
+Fixtures (all model fixtures are session-scoped; builds are lazy and cached on disk under
+``$LILY_TEST_MODELS`` or ``~/.cache/lily-test-models``):
+
+* ``model_dir(geom, kind) -> Path``      -- :func:`tinymodels.get_model`
+* ``geom``                               -- parametrised over ``DEFAULT_GEOMETRIES`` (ids = tag)
+* ``base_geom`` / ``peaked_geom``        -- :data:`tinymodels.BASE` / :data:`tinymodels.PEAKED`
+* ``tokenizer_dir``                      -- directory with the tiny tokenizer files
+* ``prompt_ids``                         -- the 64-token ChatML prompt (list of ints)
+* ``ref_logits(geom, kind, prompt_ids, decode_ids=None, dtype=None)`` -- memoised reference
+  logits: ``hf_*`` kinds via :func:`tinymodels.hf_logits`, ``mlx_*`` via
+  :func:`tinymodels.mlx_logits`; returns ``(prefill [T, V], decode [S, V])`` float32 (treat as
+  read-only, they are shared)
+* ``rng``                                -- ``np.random.Generator`` with a fresh seed per test;
+  the seed is printed and attached to the failure report; set ``LILY_TEST_SEED`` to replay.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tinymodels  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long-running test")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    seed = getattr(item, "_lily_rng_seed", None)
+    if seed is not None and rep.failed:
+        rep.sections.append(("rng seed", f"rerun with LILY_TEST_SEED={seed}"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if tinymodels.BUILD_TIMES:
+        terminalreporter.write_sep("-", "tiny model builds (seconds)")
+        for (name, kind), t in sorted(tinymodels.BUILD_TIMES.items()):
+            terminalreporter.write_line(f"{t:7.2f}  {kind:22s} {name}")
+
+
+@pytest.fixture
+def rng(request):
+    env = os.environ.get("LILY_TEST_SEED")
+    seed = int(env) if env else secrets.randbits(32)
+    request.node._lily_rng_seed = seed
+    print(f"rng seed: LILY_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return tinymodels.get_model
+
+
+@pytest.fixture(scope="session", params=tinymodels.DEFAULT_GEOMETRIES, ids=lambda g: g.tag)
+def geom(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def base_geom():
+    return tinymodels.BASE
+
+
+@pytest.fixture(scope="session")
+def peaked_geom():
+    return tinymodels.PEAKED
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir():
+    return tinymodels.get_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def prompt_ids():
+    return tinymodels.default_prompt_ids()
+
+
+@pytest.fixture(scope="session")
+def ref_logits():
+    memo: dict = {}
+
+    def get(geom, kind, prompt_ids, decode_ids=None, dtype=None):
+        key = (geom, kind, tuple(int(t) for t in prompt_ids),
+               tuple(int(t) for t in (() if decode_ids is None else decode_ids)), str(dtype))
+        if key not in memo:
+            path = tinymodels.get_model(geom, kind)
+            if kind.startswith("mlx_"):
+                assert dtype is None, "mlx references always run in float32"
+                memo[key] = tinymodels.mlx_logits(path, prompt_ids, decode_ids)
+            else:
+                memo[key] = tinymodels.hf_logits(path, prompt_ids, decode_ids, dtype=dtype)
+        return memo[key]
+
+    return get
