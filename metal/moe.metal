@@ -63,8 +63,11 @@ constexpr int moe_lane_values() {
 }
 
 // One simdgroup's dot product of a weight row with a bf16 vector of K elements (K a multiple of 64): lane l
-// takes chunks l, l + 32, ... of moe_lane_values<FMT>() elements, one 16-byte load each, so a simdgroup streams
-// 512 contiguous bytes of the row per step. The result is in every lane.
+// takes chunks l, l + 32, ... of moe_lane_values<FMT>() elements, 16 bytes each, so a simdgroup streams
+// 512 contiguous bytes of the row per step. The result is in every lane. The 16 bytes are read as four 32-bit
+// words, not one uint4: checkpoints written by MLX do not pad their safetensors header, so a tensor (and so a
+// weight row) may start at any byte offset of the mapped file, and a uint4 load assumes 16-byte alignment
+// (under the emulator it compiles to an aligned SSE load, which faults). moe_dequant8 reads words likewise.
 template <int FMT>
 inline float moe_row_dot(device const uchar* wrow, device const bfloat* srow, device const bfloat* brow,
                          device const bfloat* x, int K, uint lane) {
@@ -76,7 +79,7 @@ inline float moe_row_dot(device const uchar* wrow, device const bfloat* srow, de
       for (int i = 0; i < 8; ++i) acc += float(w[i]) * float(x[c + i]);
       continue;
     }
-    const uint4 q = *(device const uint4*)(wrow + (FMT == LILY_W_Q4 ? c / 2 : c));
+    device const uint* q = (device const uint*)(wrow + (FMT == LILY_W_Q4 ? c / 2 : c));
     const float s = float(srow[c / LILY_QGROUP]);
     const float b = float(brow[c / LILY_QGROUP]);
     constexpr int per_word = FMT == LILY_W_Q4 ? 8 : 4;

@@ -72,11 +72,12 @@ def random_routes(rng, T, E, k):
     return ids, (w / w.sum(1, keepdims=True)).astype(np.float32)
 
 
-def call(mode, mats, E, k, H, I, Is, xn, x, ids=None, w=None, tile=0, order=0, seed=0):
+def call(mode, mats, E, k, H, I, Is, xn, x, ids=None, w=None, tile=0, order=0, seed=0, skew=0):
     T = xn.shape[0]
     ids = np.zeros((T, k), np.int32) if ids is None else np.ascontiguousarray(ids, np.int32)
     w = np.zeros((T, k), np.float32) if w is None else np.ascontiguousarray(w, np.float32)
-    return kernels.moe(mode, mats, E, k, H, I, Is, xn, x, ids, w, tile_rows=tile, order=order, seed=seed)
+    return kernels.moe(mode, mats, E, k, H, I, Is, xn, x, ids, w, tile_rows=tile, order=order, seed=seed,
+                       weight_skew=skew)
 
 
 def check_close(got, want, rel=3e-3):
@@ -220,6 +221,25 @@ def test_decode(fmt, k, order, fused):
     everything = E * (mb[1] + mb[2] + mb[3])
     assert got < need + (everything - k * (mb[1] + mb[2] + mb[3])) / 2  # far from reading unselected experts
     assert r["counters"]["stages"] == 2
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "bf16"])
+def test_unaligned_weights(fmt):
+    """mlx's safetensors writer does not pad the header, so in an MLX checkpoint every tensor may start at an odd
+    byte offset of the mapped file (the tiny mlx_q4_bf16 models do). Every path must read such weights: decode's
+    GEMV once faulted on a 16-byte vector load of a q4 row."""
+    H, E, I, Is, k = 128, 16, 64, 64, 4
+    mats, f = make_layer(3, H, E, I, Is, fmt=fmt)
+    xn1, x1 = inputs(6, 1, H)
+    ids, w = random_routes(np.random.default_rng(6), 1, E, k)
+    r = call("decode", mats, E, k, H, I, Is, xn1, x1, ids, w, skew=3)
+    check_close(r["x"], ref.moe(xn1, x1, ids, w, f, round_weights=False), rel=1e-3)
+    np.testing.assert_array_equal(r["x"], call("decode", mats, E, k, H, I, Is, xn1, x1, ids, w)["x"])
+    xn, x = inputs(7, 17, H)
+    r = call("layer", mats, E, k, H, I, Is, xn, x, skew=11)
+    ids, w = ref.route(r["logits"], k)
+    np.testing.assert_array_equal(r["ids"], ids)
+    check_close(r["x"], ref.moe(xn, x, r["ids"], r["weights"], f, round_weights=True))
 
 
 # ---------------------------------------------------------------- a whole layer

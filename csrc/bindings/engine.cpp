@@ -29,12 +29,15 @@ static FloatArray to_numpy(std::vector<float>&& v, size_t rows, size_t cols) {
 }
 
 // `library`: the emulated kernel library (lily/_metal_emu.so) for "metal-emu"; engine.py passes its path.
+// `count_bytes` (metal-emu): the emulator's per-page byte counting (the counters' bytes_read/written; off runs
+// several times faster and leaves those zero).
 static std::unique_ptr<Backend> make_backend(const std::string& name, const Model& model, int max_rows, int threads,
-                                             const std::string& library) {
+                                             const std::string& library, bool count_bytes) {
   if (name == "reference") return make_reference_backend(model, max_rows, threads);
   if (name == "metal-emu") {
     metal::EmuOptions o;
     o.workers = threads;
+    o.count_bytes = count_bytes;
     return metal::make_metal_backend(model, metal::make_emu_device(library, o), max_rows);
   }
 #ifdef __APPLE__
@@ -111,12 +114,12 @@ void init_engine(nb::module_& m) {
   nb::class_<Engine>(m, "Engine")
       .def("__init__",
            [](Engine* self, std::shared_ptr<Model> model, const std::string& backend, int max_rows, int threads,
-              int64_t max_context, const std::string& library) {
-             auto b = make_backend(backend, *model, max_rows, threads, library);
+              int64_t max_context, const std::string& library, bool count_bytes) {
+             auto b = make_backend(backend, *model, max_rows, threads, library, count_bytes);
              new (self) Engine(std::move(model), std::move(b), max_context);
            },
            nb::arg("model"), nb::arg("backend") = "reference", nb::arg("max_rows") = 512, nb::arg("threads") = 0,
-           nb::arg("max_context") = 262144, nb::arg("library") = "")
+           nb::arg("max_context") = 262144, nb::arg("library") = "", nb::arg("count_bytes") = true)
       .def(
           "counters",
           [](Engine& e) {

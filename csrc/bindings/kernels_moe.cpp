@@ -28,13 +28,15 @@ using MatrixSpec = std::tuple<int, int, int, int, int, int, HostArray<uint8_t>, 
 
 struct Uploader {
   KernelRun& run;
+  uint64_t skew = 0;  // each array starts this many bytes into its buffer (as a tensor may in an MLX-written file)
   std::map<const void*, Buffer*> seen;  // one device buffer per host array: the fused gate_up tensor is shared
   template <class T>
   Buffer* get(const HostArray<T>& a, const char* label) {
     if (!a.nbytes()) return nullptr;
     auto it = seen.find(a.data());
     if (it != seen.end()) return it->second;
-    Buffer* b = run.upload(a, Role::weights, label);
+    Buffer* b = run.alloc(skew + a.nbytes(), Role::weights, label, 0);
+    std::memcpy(static_cast<uint8_t*>(b->contents()) + skew, a.data(), a.nbytes());
     seen[a.data()] = b;
     return b;
   }
@@ -64,7 +66,9 @@ DeviceMatrix make_matrix(Uploader& up, const MatrixSpec& spec, const char* name)
       throw std::invalid_argument(std::string("[kernels.moe] ") + name + ": scales/biases array too small");
     M.scales = up.get(s, name);
     M.biases = up.get(b, name);
+    M.s_offset += up.skew, M.b_offset += up.skew;
   }
+  M.w_offset += up.skew;
   return M;
 }
 
@@ -75,7 +79,7 @@ void init_kernels_moe(nb::module_& k) {
       "moe",
       [](const std::string& mode, const std::vector<MatrixSpec>& mats, int experts, int top_k, int hidden, int inter,
          int shared_inter, const HostArray<uint16_t>& xn, const HostArray<float>& x, const HostArray<int32_t>& ids_in,
-         const HostArray<float>& weights_in, int tile_rows, int order, uint64_t seed) {
+         const HostArray<float>& weights_in, int tile_rows, int order, uint64_t seed, uint64_t weight_skew) {
         if (mats.size() != 8)
           throw std::invalid_argument("[kernels.moe] mats: router, gate, up, down, shared_gate_proj, shared_up, "
                                       "shared_down, shared_gate");
@@ -84,7 +88,7 @@ void init_kernels_moe(nb::module_& k) {
         const int T = int(xn.shape(0));
         if (xn.ndim() != 2 || int(xn.shape(1)) != hidden) throw std::invalid_argument("[kernels.moe] xn must be bf16 [T, H]");
         KernelRun run(order, seed);
-        Uploader up{run, {}};
+        Uploader up{run, weight_skew, {}};
         MoeDevice M;
         M.router = make_matrix(up, mats[0], "router");
         M.gate = make_matrix(up, mats[1], "gate");
@@ -160,10 +164,11 @@ void init_kernels_moe(nb::module_& k) {
       },
       nb::arg("mode"), nb::arg("mats"), nb::arg("experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("inter"),
       nb::arg("shared_inter"), nb::arg("xn"), nb::arg("x"), nb::arg("ids"), nb::arg("weights"),
-      nb::arg("tile_rows") = 0, nb::arg("order") = 0, nb::arg("seed") = 0,
+      nb::arg("tile_rows") = 0, nb::arg("order") = 0, nb::arg("seed") = 0, nb::arg("weight_skew") = 0,
       "Runs the MoE family on an EmuDevice in one command buffer. mode 'route': ids/weights from xn; 'prefill' / "
       "'decode': x += MoE(xn) with the given ids [T, k] int32 and weights [T, k] f32; 'layer': route then prefill "
       "(decode when T == 1 and tile_rows == 0). mats: 8 (bits, experts, rows, cols, stored_rows, row_offset, codes "
       "uint8, scales uint16, biases uint16) for router, gate, up, down, shared_gate_proj, shared_up, shared_down, "
-      "shared_gate. Returns outputs, routing intermediates and 'counters'.");
+      "shared_gate. weight_skew: bytes before every weight array in its buffer (unaligned tensors, as MLX writes "
+      "them). Returns outputs, routing intermediates and 'counters'.");
 }
