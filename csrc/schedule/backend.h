@@ -29,6 +29,7 @@ enum class Act : uint8_t {
   count
 };
 const char* act_name(Act a);
+int64_t act_width(const ModelConfig& c, Act a);  // row width in elements
 
 // Per-session model state: KV cache of the attention layers, conv and recurrent state of the GDN layers.
 struct State {

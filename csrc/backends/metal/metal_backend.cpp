@@ -32,13 +32,6 @@ Counters minus(const Counters& a, const Counters& b) {
   return d;
 }
 
-// Buffer labels (schedule/backend.h declares act_name but nothing defines it yet).
-const char* act_label(Act a) {
-  static const char* names[] = {"x", "xn", "qkv", "z", "beta", "alpha", "q_gate", "k", "v", "mix", "logits"};
-  static_assert(sizeof(names) / sizeof(names[0]) == size_t(Act::count));
-  return names[int(a)];
-}
-
 // KV cache growth: whole blocks of rows, at least doubling, so growth copies stay O(context) in total.
 constexpr int64_t kKvBlock = 256;
 
@@ -84,20 +77,10 @@ class MetalBackendImpl final : public MetalBackend {
       M.shared_inter = c_.shared_inter;
     }
     // Activations for max_rows rows (logits: grown on first use, [max_rows, V] f32 is large at V = 248k).
-    width_[int(Act::x)] = c_.hidden;
-    width_[int(Act::xn)] = c_.hidden;
-    width_[int(Act::qkv)] = c_.conv_dim();
-    width_[int(Act::z)] = c_.value_dim();
-    width_[int(Act::beta)] = c_.lin_nv;
-    width_[int(Act::alpha)] = c_.lin_nv;
-    width_[int(Act::q_gate)] = c_.q_proj_rows();
-    width_[int(Act::k)] = c_.kv_dim();
-    width_[int(Act::v)] = c_.kv_dim();
-    width_[int(Act::mix)] = std::max<int64_t>(c_.value_dim(), int64_t(c_.n_q) * c_.head_dim);
-    width_[int(Act::logits)] = c_.vocab;
+    for (int a = 0; a < int(Act::count); ++a) width_[a] = act_width(c_, Act(a));
     for (int a = 0; a < int(Act::count); ++a) {
       if (a == int(Act::logits)) continue;
-      act_[a] = dev_->alloc(uint64_t(rows_) * width_[a] * elem(Act(a)), Role::activations, act_label(Act(a)));
+      act_[a] = dev_->alloc(uint64_t(rows_) * width_[a] * elem(Act(a)), Role::activations, act_name(Act(a)));
     }
     grow_logits(1);
     route_ids_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.ids");
@@ -215,14 +198,14 @@ class MetalBackendImpl final : public MetalBackend {
   }
 
   void rmsnorm(Act in, Act out, const Vec& w, int T) override {
-    if (in != Act::x) throw std::invalid_argument(std::string("[metal] rmsnorm reads the f32 residual x, not ") + act_label(in));
+    if (in != Act::x) throw std::invalid_argument(std::string("[metal] rmsnorm reads the f32 residual x, not ") + act_name(in));
     encode_rmsnorm(enc(), view(in), vec_of(w), view(out), T, c_.hidden, c_.rms_eps);
   }
 
   void project(Act in, Act out, const Linear& W, int T, bool accumulate) override {
     check_rows(T, W.name.c_str());
     const bool f32 = out == Act::x || out == Act::logits;
-    if (accumulate && !f32) throw std::invalid_argument("[metal] accumulate into bf16 " + std::string(act_label(out)));
+    if (accumulate && !f32) throw std::invalid_argument("[metal] accumulate into bf16 " + std::string(act_name(out)));
     encode_project(enc(), matrix_of(W), view(in), view(out), T,
                    f32 ? (accumulate ? OutMode::f32_add : OutMode::f32) : OutMode::bf16);
   }

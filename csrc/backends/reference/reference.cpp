@@ -118,18 +118,7 @@ class ReferenceBackend final : public Backend {
  public:
   ReferenceBackend(const Model& m, int max_rows, int threads) : m_(m), c_(m.config()), rows_(max_rows), pool_(threads) {
     if (max_rows <= 0) throw std::invalid_argument("[reference] max_rows must be positive");
-    const int64_t H = c_.hidden;
-    width_[int(Act::x)] = H;
-    width_[int(Act::xn)] = H;
-    width_[int(Act::qkv)] = c_.conv_dim();
-    width_[int(Act::z)] = c_.value_dim();
-    width_[int(Act::beta)] = c_.lin_nv;
-    width_[int(Act::alpha)] = c_.lin_nv;
-    width_[int(Act::q_gate)] = c_.q_proj_rows();
-    width_[int(Act::k)] = c_.kv_dim();
-    width_[int(Act::v)] = c_.kv_dim();
-    width_[int(Act::mix)] = std::max<int64_t>(c_.value_dim(), int64_t(c_.n_q) * c_.head_dim);
-    width_[int(Act::logits)] = c_.vocab;
+    for (int a = 0; a < int(Act::count); ++a) width_[a] = act_width(c_, Act(a));
     // Logits rows are allocated on first use: all-position logits of a chunk are only for teacher forcing,
     // and [max_rows, V] is half a GB at the real vocabulary.
     for (int a = 0; a < int(Act::count); ++a)
