@@ -6,33 +6,15 @@ mlx / mlx-lm / transformers are test-only references (skipped when absent).
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from lily import convert as cv
+import tinymodels as tm
 
-def _lily(mod: str):
-    """Import ``lily.<mod>``; falls back to the source tree without the compiled core."""
-    try:
-        return importlib.import_module(f"lily.{mod}")
-    except ImportError as e:
-        if "_core" not in str(e) and "engine" not in str(e):
-            raise
-        src = Path(__file__).resolve().parents[1] / "src" / "lily"
-        for k in [k for k in sys.modules if k == "lily" or k.startswith("lily.")]:
-            del sys.modules[k]
-        pkg = types.ModuleType("lily")
-        pkg.__path__ = [str(src)]
-        sys.modules["lily"] = pkg
-        return importlib.import_module(f"lily.{mod}")
-
-
-cv = _lily("convert")
 mx = pytest.importorskip("mlx.core")
 mx.set_default_device(mx.cpu)
 
@@ -160,16 +142,6 @@ def test_sharded_writer_roundtrip(tmp_path):
 
 # ----------------------------------------------------------------------------- converter vs mlx_lm.convert
 
-def _tinymodels():
-    pytest.importorskip("mlx_lm")
-    pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    try:
-        return importlib.import_module("tinymodels")
-    except ImportError as e:  # pragma: no cover
-        pytest.skip(f"tests/tinymodels.py unavailable: {e}")
-
-
 def _all_tensors(d: Path) -> dict:
     out = {}
     for f in sorted(d.glob("*.safetensors")):
@@ -185,7 +157,6 @@ def _all_tensors(d: Path) -> dict:
     ("GVA1_HD32", "mlx_q4_bf16", None),     # unsnapped norms: bf16(1 + w) rounding exercised
 ])
 def test_convert_matches_mlx_lm(tmp_path, geom_name, kind, dtype):
-    tm = _tinymodels()
     geom = getattr(tm, geom_name)
     hf = tm.get_model(geom, "hf_bf16")
     ref = tm.get_model(geom, kind)
@@ -208,7 +179,6 @@ def test_convert_matches_mlx_lm(tmp_path, geom_name, kind, dtype):
 def test_convert_sharded_output_loads_in_mlx_lm(tmp_path):
     """Small shard limit -> several shards + index; mlx_lm loads the result, and the
     quantised model gives the same logits as mlx_lm.convert's output."""
-    tm = _tinymodels()
     hf = tm.get_model(tm.BASE, "hf_bf16")
     ref = tm.get_model(tm.BASE, "mlx_q4_bf16")
     out = cv.convert_hf_to_mlx_q4(hf, tmp_path / "out", max_shard_bytes=300_000)

@@ -124,3 +124,37 @@ def test_decode_counters(ids):
         assert last["stages"] <= last["dispatches"]
         assert last["bytes_read"]["weights"] > 0
         assert last["bytes_read"]["kv"] > 0 and last["bytes_written"]["kv"] > 0
+
+
+# Every kernel function of metal/ that the schedule dispatches for a prefill chunk and greedy decode steps
+# (the split-KV decode pair only runs at >= 32K context; tests/test_attn.py forces it).
+SCHEDULED_KERNELS = {
+    "prefill": ["embed", "rmsnorm_f32_bf16", "qgemm", "gdn_conv", "gdn_scan", "gdn_gated_norm", "attn_prepare",
+                "attn_prefill", "moe_route_logits", "moe_route_topk", "moe_route_histogram", "moe_route_scan",
+                "moe_route_scatter", "moe_gemm_gate_up", "moe_gemm_down", "moe_combine", "qgemv", "argmax_f32"],
+    "decode": ["embed", "rmsnorm_f32_bf16", "qgemv", "gdn_step", "attn_prepare", "attn_decode", "moe_route_logits",
+               "moe_route_topk", "moe_gemv_gate_up", "moe_gemv_down", "argmax_f32"],
+}
+
+
+def test_greedy_token_stays_on_the_device(ids):
+    """generate(): each decode step embeds the token the previous step's argmax_f32 wrote into its input slot;
+    the CPU waits once per step (to stream the token) and reads no logits."""
+    prompt, _ = ids
+    e = engine(tm.PEAKED, "mlx_q4_bf16", "metal-emu")
+    steps = 6
+    before = e.counters()
+    out = e.generate(prompt, max_tokens=steps + 1)
+    assert len(out.token_ids) == steps + 1
+    c = e.counters()
+    done = {p: c[p]["total"]["kernels"] for p in ("prefill", "decode")}
+    for phase, functions in SCHEDULED_KERNELS.items():
+        names = done[phase]
+        for f in functions:  # a kernel function runs under its host names, f or f_<variant>
+            assert any(n == f or n.startswith(f + "_") for n in names), (phase, f, sorted(names))
+    prev = before.get("decode", {}).get("total", {})
+    dec = c["decode"]["total"]
+    assert dec["command_buffers"] - prev.get("command_buffers", 0) == steps
+    assert dec["cpu_waits"] - prev.get("cpu_waits", 0) == steps
+    assert dec["kernels"]["argmax_f32"] - prev.get("kernels", {}).get("argmax_f32", 0) == steps
+    assert c["decode"]["last"]["kernels"]["argmax_f32"] == 1 and c["decode"]["last"]["cpu_waits"] == 1

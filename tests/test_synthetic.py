@@ -6,36 +6,15 @@ The ``full`` scale is checked through its planned tensor list (no 19 GB write); 
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import types
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-
-def _lily(mod: str):
-    """Import ``lily.<mod>``; falls back to the source tree without the compiled core."""
-    try:
-        return importlib.import_module(f"lily.{mod}")
-    except ImportError as e:
-        if "_core" not in str(e) and "engine" not in str(e):
-            raise
-        src = Path(__file__).resolve().parents[1] / "src" / "lily"
-        for k in [k for k in sys.modules if k == "lily" or k.startswith("lily.")]:
-            del sys.modules[k]
-        pkg = types.ModuleType("lily")
-        pkg.__path__ = [str(src)]
-        sys.modules["lily"] = pkg
-        return importlib.import_module(f"lily.{mod}")
-
-
-syn = _lily("synthetic")
-tb = _lily("tokenizer_build")
-cv = _lily("convert")
+from lily import convert as cv
+from lily import synthetic as syn
+from lily import tokenizer_build as tb
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

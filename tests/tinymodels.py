@@ -119,20 +119,12 @@ CACHE_VERSION = "lily-tiny-v4"
 
 N_BPE = 2048  # real Qwen3.6 BPE ranks kept by the tiny tokenizer
 
-# Qwen3.5 / 3.6 pre-tokenizer regex (spec §7) and the 33 special tokens in id order.
-QWEN35_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
-    r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
-    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
-    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-    "<tts_text_bos_single>", "<|audio_pad|>",
-)
+# Qwen3.5 / 3.6 pre-tokenizer regex and the 33 special tokens in id order (spec §7): facts of the model,
+# kept once in the library. tests/test_fixtures.py checks the tokenizer built from them against tiktoken.
+from lily.tokenizer_build import QWEN35_PAT as QWEN35_PATTERN  # noqa: E402
+from lily.tokenizer_build import SPECIALS  # noqa: E402
+
+SPECIAL_TOKENS = tuple(SPECIALS)
 SPECIAL_IDS = {s: N_BPE + i for i, s in enumerate(SPECIAL_TOKENS)}
 ENDOFTEXT_ID = SPECIAL_IDS["<|endoftext|>"]
 IM_START_ID = SPECIAL_IDS["<|im_start|>"]

@@ -36,6 +36,10 @@ nb::dict counters_dict(const Counters& c) {
   }
   d["bytes_read"] = rd;
   d["bytes_written"] = wr;
+  nb::dict kernels;  // dispatches by kernel, the ones dispatched at least once
+  for (size_t k = 0; k < size_t(KernelId::count); ++k)
+    if (c.kernel_dispatches[k]) kernels[kernel_name(KernelId(k))] = c.kernel_dispatches[k];
+  d["kernels"] = kernels;
   return d;
 }
 

@@ -54,7 +54,7 @@ std::vector<float> Engine::logits(Session& s, const int32_t* tokens, int64_t n, 
   const int V = model_->config().vocab, rows = chunk_rows(chunk);
   std::vector<float> out(size_t(n) * V);
   if (n == 1) {
-    schedule::decode_step(*backend_, *model_, *s.state, tokens[0]);
+    schedule::decode_step(*backend_, *model_, *s.state, tokens);
     backend_->read_logits(out.data(), 1);
     s.decoded += 1;
   } else {
@@ -76,7 +76,7 @@ std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, in
   const int V = model_->config().vocab, rows = chunk_rows(chunk);
   std::vector<float> out(V);
   if (n == 1) {
-    schedule::decode_step(*backend_, *model_, *s.state, tokens[0]);
+    schedule::decode_step(*backend_, *model_, *s.state, tokens);
     s.decoded += 1;
   } else {
     for (int64_t i = 0; i < n; i += rows) {
@@ -95,16 +95,36 @@ std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, in
 std::vector<int32_t> Engine::generate_greedy(Session& s, const int32_t* prompt, int64_t n, int64_t max_tokens,
                                              const std::vector<int32_t>& stop_ids,
                                              const std::function<bool(int32_t)>& on_token, int chunk) {
+  if (n <= 0) throw std::invalid_argument("[engine] empty prompt");
   check_context(s, n + max_tokens);
+  check_tokens(prompt, n, model_->config().vocab);
   std::vector<int32_t> out;
   if (max_tokens <= 0) return out;
-  std::vector<float> l = feed(s, prompt, n, chunk);
-  for (int64_t i = 0; i < max_tokens; ++i) {
-    const int32_t tok = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
+  // The prompt, whose last chunk (or single decode step) also selects the first token on the device.
+  const int rows = chunk_rows(chunk);
+  if (n == 1) {
+    schedule::decode_step(*backend_, *model_, *s.state, prompt, true);
+    s.decoded += 1;
+  } else {
+    for (int64_t i = 0; i < n; i += rows) {
+      const int T = int(std::min<int64_t>(rows, n - i));
+      const bool last = i + T == n;
+      schedule::prefill_chunk(*backend_, *model_, *s.state, prompt + i, T,
+                              last ? schedule::Logits::last : schedule::Logits::none, last);
+    }
+    s.prefilled += n;
+  }
+  s.tokens.insert(s.tokens.end(), prompt, prompt + n);
+  // Each step embeds the token the previous one selected on the device; the CPU reads it only to
+  // report it and to check stop conditions.
+  for (int64_t i = 0;; ++i) {
+    const int32_t tok = backend_->read_token();
     out.push_back(tok);
     const bool stop = std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end();
     if ((on_token && !on_token(tok)) || stop || i + 1 == max_tokens) break;
-    l = feed(s, &tok, 1, chunk);
+    schedule::decode_step(*backend_, *model_, *s.state, nullptr, true);
+    s.decoded += 1;
+    s.tokens.push_back(tok);
   }
   return out;
 }

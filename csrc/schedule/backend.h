@@ -77,6 +77,13 @@ class Backend {
   // logits rows [0, rows) ← lm_head · RMSNorm(x rows [first, first + rows)).
   virtual void lm_head(int first, int rows) = 0;
 
+  // Greedy token handoff on the device: select_greedy writes argmax(logits row 0) into the input slot of
+  // the next step, whose embed_selected reads it there, so the token never has to visit the CPU between
+  // steps; read_token waits and returns it (only to stream it and check stop conditions).
+  virtual void select_greedy() = 0;
+  virtual void embed_selected() = 0;  // x ← E[the token the previous step selected]
+  virtual int32_t read_token() = 0;
+
   // ---- submission ----
   virtual void begin() {}   // start recording a chunk / step
   virtual void commit() {}  // submit what was recorded (asynchronous on a GPU)

@@ -35,7 +35,7 @@ static void layer_stack(Backend& b, const Model& m, int T, int64_t pos, Phase ph
   }
 }
 
-int prefill_chunk(Backend& b, const Model& m, State& s, const int32_t* tokens, int T, Logits want) {
+int prefill_chunk(Backend& b, const Model& m, State& s, const int32_t* tokens, int T, Logits want, bool select) {
   const int64_t pos = s.pos;
   b.reserve(s, pos + T);
   b.bind(&s);
@@ -44,19 +44,21 @@ int prefill_chunk(Backend& b, const Model& m, State& s, const int32_t* tokens, i
   layer_stack(b, m, T, pos, Phase::prefill);
   const int rows = want == Logits::all ? T : want == Logits::last ? 1 : 0;
   if (rows) b.lm_head(T - rows, rows);
+  if (select) b.select_greedy();
   b.commit();
   s.pos = pos + T;
   return rows;
 }
 
-void decode_step(Backend& b, const Model& m, State& s, int32_t token) {
+void decode_step(Backend& b, const Model& m, State& s, const int32_t* token, bool select) {
   const int64_t pos = s.pos;
   b.reserve(s, pos + 1);
   b.bind(&s);
   b.begin();
-  b.embed(&token, 1);
+  if (token) b.embed(token, 1); else b.embed_selected();
   layer_stack(b, m, 1, pos, Phase::decode);
   b.lm_head(0, 1);
+  if (select) b.select_greedy();
   b.commit();
   s.pos = pos + 1;
 }

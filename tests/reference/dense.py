@@ -8,22 +8,9 @@ Shapes: T input rows, rows output features, cols input features, G = cols / 64 g
 """
 import numpy as np
 
+from reference.bf16 import bf16_bits, bf16_float, bf16_round  # noqa: F401 (re-exported)
+
 GROUP = 64
-
-
-def bf16_bits(a):
-    """float32 -> bfloat16 bit pattern (uint16), round to nearest even (NaN not expected)."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-
-
-def bf16_float(bits):
-    """bfloat16 bit pattern (uint16) -> float32."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def bf16_round(a):
-    return bf16_float(bf16_bits(a))
 
 
 def pack(q, bits):

@@ -10,24 +10,9 @@ Shapes: T rows; n_k key heads, n_v value heads, d_k / d_v head dims; C = 2Â·n_kÂ
 """
 import numpy as np
 
+from reference.bf16 import bf16_bits, bf16_float, bf16_round  # noqa: F401 (re-exported)
+
 F32 = np.float32
-
-
-def bf16_round(x):
-    """Round f32 to the nearest bf16 (ties to even), returned as f32."""
-    u = np.ascontiguousarray(x, dtype=F32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.astype(np.uint32).view(F32)
-
-
-def bf16_bits(x):
-    """f32 values -> uint16 bf16 bit patterns (rounded to nearest even)."""
-    return (bf16_round(x).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def bf16_float(bits):
-    """uint16 bf16 bit patterns -> f32."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(F32)
 
 
 def silu(x):

@@ -24,21 +24,12 @@ void encode_embed(Encoder& enc, const DeviceMatrix& E, View tokens, View x, int 
   const KernelId k = E.format == LILY_W_Q4   ? KernelId::embed_q4_f32
                      : E.format == LILY_W_Q8 ? KernelId::embed_q8_f32
                                              : KernelId::embed_bf16_f32;
-  const uint64_t rows = uint64_t(E.rows);
-  const uint64_t w_bytes = (rows - 1) * E.w_row_bytes +
-                           (E.format == LILY_W_Q4 ? E.cols / 2 : E.format == LILY_W_Q8 ? E.cols : 2 * uint64_t(E.cols));
-  const uint64_t s_bytes = (rows - 1) * E.s_row_bytes + uint64_t(E.cols / LILY_QGROUP) * 2;
   const int per_group = LILY_EMBED_THREADS * LILY_EMBED_VALUES;
   const Grid groups{uint32_t((E.cols + per_group - 1) / per_group), uint32_t(T), 1};
   const Grid threads{uint32_t(LILY_EMBED_THREADS), 1, 1};
-  // A bf16 E has no scales or biases; Metal wants every buffer argument bound, so those slots get the first
-  // 16 bytes of E (never read; a short range so that byte counters do not charge E's pages to them too).
-  const Binding bs = quant ? Binding{LILY_EMBED_SCALES, E.scales, E.s_offset, Access::read, s_bytes}
-                           : Binding{LILY_EMBED_SCALES, E.w, E.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
-  const Binding bb = quant ? Binding{LILY_EMBED_BIASES, E.biases, E.b_offset, Access::read, s_bytes}
-                           : Binding{LILY_EMBED_BIASES, E.w, E.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+  const MatrixBindings m = bind_matrix(E, LILY_EMBED_W, LILY_EMBED_SCALES, LILY_EMBED_BIASES);
   enc.dispatch(k, groups, threads, args,
-               {{LILY_EMBED_W, E.w, E.w_offset, Access::read, w_bytes}, bs, bb,
+               {m.w, m.s, m.b,
                 {LILY_EMBED_TOKENS, tokens.buffer, tokens.offset, Access::read, uint64_t(T) * 4},
                 {LILY_EMBED_X, x.buffer, x.offset, Access::write, uint64_t(T) * E.cols * 4}});
 }

@@ -36,6 +36,23 @@ constexpr KernelId kGemm[3][3] = {
 
 }  // namespace
 
+MatrixBindings bind_matrix(const DeviceMatrix& W, int slot_w, int slot_s, int slot_b) {
+  const uint64_t last = uint64_t(std::max(W.experts, 1) - 1);
+  const uint64_t payload = W.format == LILY_W_Q4 ? uint64_t(W.cols) / 2 : W.format == LILY_W_Q8 ? uint64_t(W.cols) : uint64_t(W.cols) * 2;
+  const uint64_t w_bytes = last * W.w_expert_bytes + uint64_t(W.rows - 1) * W.w_row_bytes + payload;
+  MatrixBindings m;
+  m.w = {slot_w, W.w, W.w_offset, Access::read, w_bytes};
+  if (W.format == LILY_W_BF16) {
+    m.s = {slot_s, W.w, W.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+    m.b = {slot_b, W.w, W.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+  } else {
+    const uint64_t sb = last * W.s_expert_bytes + uint64_t(W.rows - 1) * W.s_row_bytes + uint64_t(W.cols) / LILY_QGROUP * 2;
+    m.s = {slot_s, W.scales, W.s_offset, Access::read, sb};
+    m.b = {slot_b, W.biases, W.b_offset, Access::read, sb};
+  }
+  return m;
+}
+
 void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode) {
   if (T <= 0) return;
   const std::string shape = "W [" + std::to_string(W.rows) + ", " + std::to_string(W.cols) + "], T " + std::to_string(T);
@@ -54,8 +71,6 @@ void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int 
                        .w_row_bytes = W.w_row_bytes,
                        .s_row_bytes = W.s_row_bytes};
   const uint64_t rows = uint64_t(W.rows), cols = uint64_t(W.cols);
-  const uint64_t w_bytes = (rows - 1) * W.w_row_bytes + (W.format == LILY_W_Q4 ? cols / 2 : W.format == LILY_W_Q8 ? cols : 2 * cols);
-  const uint64_t s_bytes = (rows - 1) * W.s_row_bytes + cols / LILY_QGROUP * 2;
   const uint64_t out_bytes = uint64_t(T) * rows * (mode == OutMode::bf16 ? 2 : 4);
 
   Grid groups, threads;
@@ -70,14 +85,9 @@ void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int 
     threads = Grid{uint32_t(LILY_QGEMM_THREADS), 1, 1};
     k = kGemm[W.format][int(mode)];
   }
-  // A bf16 W has no scales or biases; Metal wants every buffer argument bound, so those slots get the first
-  // 16 bytes of W (never read; a short range so that byte counters do not charge W's pages to them too).
-  const Binding bs = quant ? Binding{LILY_DENSE_SCALES, W.scales, W.s_offset, Access::read, s_bytes}
-                           : Binding{LILY_DENSE_SCALES, W.w, W.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
-  const Binding bb = quant ? Binding{LILY_DENSE_BIASES, W.biases, W.b_offset, Access::read, s_bytes}
-                           : Binding{LILY_DENSE_BIASES, W.w, W.w_offset, Access::read, std::min<uint64_t>(16, w_bytes)};
+  const MatrixBindings m = bind_matrix(W, LILY_DENSE_W, LILY_DENSE_SCALES, LILY_DENSE_BIASES);
   enc.dispatch(k, groups, threads, args,
-               {{LILY_DENSE_W, W.w, W.w_offset, Access::read, w_bytes}, bs, bb,
+               {m.w, m.s, m.b,
                 {LILY_DENSE_IN, in.buffer, in.offset, Access::read, uint64_t(T) * cols * 2},
                 {LILY_DENSE_OUT, out.buffer, out.offset,
                  mode == OutMode::f32_add ? Access::read_write : Access::write, out_bytes}});

@@ -36,6 +36,30 @@ void Counters::add(const Counters& o) {
     bytes_read[i] += o.bytes_read[i];
     bytes_written[i] += o.bytes_written[i];
   }
+  for (size_t k = 0; k < size_t(KernelId::count); ++k) kernel_dispatches[k] += o.kernel_dispatches[k];
+}
+
+Counters Counters::since(const Counters& e) const {
+  Counters d;
+  d.dispatches = dispatches - e.dispatches;
+  d.stages = stages - e.stages;
+  d.cpu_waits = cpu_waits - e.cpu_waits;
+  d.command_buffers = command_buffers - e.command_buffers;
+  for (size_t r = 0; r < size_t(Role::count); ++r) {
+    d.bytes_read[r] = bytes_read[r] - e.bytes_read[r];
+    d.bytes_written[r] = bytes_written[r] - e.bytes_written[r];
+  }
+  for (size_t k = 0; k < size_t(KernelId::count); ++k) d.kernel_dispatches[k] = kernel_dispatches[k] - e.kernel_dispatches[k];
+  return d;
+}
+
+Counters Encoder::recorded() const {
+  Counters c;
+  c.command_buffers = 1;
+  c.dispatches = dispatches_;
+  c.stages = dispatches_ ? barriers_ + 1 : 0;
+  std::copy(std::begin(per_kernel_), std::end(per_kernel_), std::begin(c.kernel_dispatches));
+  return c;
 }
 
 namespace {
@@ -73,6 +97,7 @@ void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const v
     if (b.access == Access::read_write) stage_reads_.push_back(r);
   }
   ++dispatches_;
+  ++per_kernel_[size_t(kernel)];
   do_dispatch(kernel, threadgroups, threads, args, args_size, list, threadgroup_bytes);
 }
 

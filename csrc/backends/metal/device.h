@@ -56,7 +56,9 @@ struct Counters {
   uint64_t command_buffers = 0;
   uint64_t bytes_read[size_t(Role::count)] = {};
   uint64_t bytes_written[size_t(Role::count)] = {};
+  uint64_t kernel_dispatches[size_t(KernelId::count)] = {};  // dispatches of each kernels.def row
   void add(const Counters& o);
+  Counters since(const Counters& earlier) const;  // this − earlier (counters are cumulative)
 };
 
 class Encoder {
@@ -75,6 +77,9 @@ class Encoder {
   void barrier();  // explicit barrier (rarely needed: dependencies are tracked)
   uint64_t dispatches() const { return dispatches_; }
   uint64_t barriers() const { return barriers_; }
+  // What this encoder recorded, as counters of one command buffer: dispatches (also per kernel) and
+  // dependency stages (barriers + 1 when anything was dispatched).
+  Counters recorded() const;
 
  protected:
   virtual void do_dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
@@ -85,6 +90,7 @@ class Encoder {
   struct Range { const Buffer* buffer; uint64_t begin, end; };
   std::vector<Range> stage_reads_, stage_writes_;
   uint64_t dispatches_ = 0, barriers_ = 0;
+  uint64_t per_kernel_[size_t(KernelId::count)] = {};
 };
 
 class CommandBuffer {

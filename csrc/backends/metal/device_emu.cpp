@@ -195,10 +195,7 @@ class EmuDevice final : public Device {
   }
 
   void execute(EmuEncoder& enc) {
-    Counters c;
-    c.command_buffers = 1;
-    c.dispatches = enc.dispatches();
-    c.stages = enc.dispatches() ? enc.barriers() + 1 : 0;
+    Counters c = enc.recorded();
     for (auto& stage : enc.stages) {
       std::vector<size_t> order(stage.size());
       for (size_t i = 0; i < order.size(); ++i) order[i] = i;

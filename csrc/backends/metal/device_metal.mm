@@ -193,11 +193,7 @@ void MetalCommandBuffer::commit() {
   committed_ = true;
   [encoder_.encoder() endEncoding];
   [cb_ commit];
-  Counters c;
-  c.command_buffers = 1;
-  c.dispatches = encoder_.dispatches();
-  c.stages = encoder_.dispatches() ? encoder_.barriers() + 1 : 0;
-  dev_.count(c);
+  dev_.count(encoder_.recorded());
 }
 
 void MetalCommandBuffer::wait() {

@@ -37,6 +37,16 @@ struct DeviceMatrix {
   uint64_t matrix_bytes = 0;  // bytes one use of one expert's (or the dense) matrix reads: the minimum
 };
 
+// The three buffer arguments of a matrix (codes or bf16 values, scales, biases), each declaring its exact
+// extent over all experts: matrices that share a buffer (one mapped checkpoint file) then neither serialise
+// on each other nor count each other's bytes. A bf16 matrix has no scales or biases, but Metal wants every
+// buffer argument bound: those slots get W's first 16 bytes, never read (a short range, so the byte counters
+// do not charge W's pages to them too).
+struct MatrixBindings {
+  Binding w, s, b;
+};
+MatrixBindings bind_matrix(const DeviceMatrix& W, int slot_w, int slot_s, int slot_b);
+
 // A small fp32 parameter vector (norm weights, A_log, dt_bias, conv filter) uploaded once.
 struct DeviceVec {
   Buffer* buffer = nullptr;

@@ -11,26 +11,15 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
+
 
 #include "encoders.h"
 
 namespace lily::metal {
 
 namespace {
-
-Counters minus(const Counters& a, const Counters& b) {
-  Counters d;
-  d.dispatches = a.dispatches - b.dispatches;
-  d.stages = a.stages - b.stages;
-  d.cpu_waits = a.cpu_waits - b.cpu_waits;
-  d.command_buffers = a.command_buffers - b.command_buffers;
-  for (size_t r = 0; r < size_t(Role::count); ++r) {
-    d.bytes_read[r] = a.bytes_read[r] - b.bytes_read[r];
-    d.bytes_written[r] = a.bytes_written[r] - b.bytes_written[r];
-  }
-  return d;
-}
 
 // KV cache growth: whole blocks of rows, at least doubling, so growth copies stay O(context) in total.
 constexpr int64_t kKvBlock = 256;
@@ -197,6 +186,14 @@ class MetalBackendImpl final : public MetalBackend {
     encode_embed(enc(), embed_, {slot}, view(Act::x), T);
   }
 
+  // The token selected in this step lands in the other slot, the one the next step's begin() switches to.
+  void select_greedy() override { encode_argmax(enc(), view(Act::logits), c_.vocab, {tokens_[slot_ ^ 1].get()}); }
+  void embed_selected() override { encode_embed(enc(), embed_, {tokens_[slot_].get()}, view(Act::x), 1); }
+  int32_t read_token() override {
+    finish();
+    return static_cast<const int32_t*>(tokens_[slot_ ^ 1]->contents())[0];
+  }
+
   void rmsnorm(Act in, Act out, const Vec& w, int T) override {
     if (in != Act::x) throw std::invalid_argument(std::string("[metal] rmsnorm reads the f32 residual x, not ") + act_name(in));
     encode_rmsnorm(enc(), view(in), vec_of(w), view(out), T, c_.hidden, c_.rms_eps);
@@ -281,14 +278,13 @@ class MetalBackendImpl final : public MetalBackend {
     M.w_row_bytes = L.w_row_bytes, M.s_row_bytes = L.s_row_bytes;
     M.w_expert_bytes = L.w_expert_bytes, M.s_expert_bytes = L.s_expert_bytes;
     M.matrix_bytes = L.bytes_per_matrix();
-    matrices_.emplace_back(&L, M);
+    matrices_.emplace(&L, M);
     return M;
   }
   const DeviceMatrix& matrix_of(const Linear& L) {
-    for (const auto& [l, M] : matrices_)
-      if (l == &L) return M;
-    matrix(L);  // a Linear the constructor did not see (none in the schedule today)
-    return matrices_.back().second;
+    auto it = matrices_.find(&L);
+    if (it == matrices_.end()) it = matrices_.emplace(&L, matrix(L)).first;  // one the constructor did not see
+    return it->second;
   }
 
   DeviceVec vec(const Vec& v) {
@@ -296,13 +292,12 @@ class MetalBackendImpl final : public MetalBackend {
     if (v.size()) std::memcpy(b->contents(), v.data(), size_t(v.size()) * 4);
     vec_buffers_.push_back(b);
     const DeviceVec d{b.get(), 0, int32_t(v.size())};
-    vecs_.emplace_back(&v, d);
+    vecs_.emplace(&v, d);
     return d;
   }
   DeviceVec vec_of(const Vec& v) {
-    for (const auto& [p, d] : vecs_)
-      if (p == &v) return d;
-    return vec(v);
+    auto it = vecs_.find(&v);
+    return it != vecs_.end() ? it->second : vec(v);
   }
 
   std::shared_ptr<Buffer> zeroed(uint64_t bytes, Role role, const std::string& label) {
@@ -337,7 +332,7 @@ class MetalBackendImpl final : public MetalBackend {
   }
   void account(bool add_to_last) {
     const Counters now = dev_->counters();
-    const Counters d = minus(now, prev_);
+    const Counters d = now.since(prev_);
     prev_ = now;
     if (add_to_last) last_[int(phase_)].add(d);
     else last_[int(phase_)] = d;
@@ -349,8 +344,9 @@ class MetalBackendImpl final : public MetalBackend {
   std::unique_ptr<Device> dev_;
   int rows_;
   std::vector<std::shared_ptr<Buffer>> files_, vec_buffers_;
-  std::vector<std::pair<const Linear*, DeviceMatrix>> matrices_;
-  std::vector<std::pair<const Vec*, DeviceVec>> vecs_;
+  // Device views of the core weights, looked up on every op.
+  std::unordered_map<const Linear*, DeviceMatrix> matrices_;
+  std::unordered_map<const Vec*, DeviceVec> vecs_;
   DeviceMatrix embed_, lm_head_;
   DeviceVec norm_;
   std::vector<DeviceVec> input_norm_, post_norm_;

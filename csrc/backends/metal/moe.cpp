@@ -73,28 +73,8 @@ MoeMatrixStrides strides(const DeviceMatrix& W) {
                           .s_expert_bytes = W.s_expert_bytes};
 }
 
-// The three bindings of a matrix, each declaring its exact extent: matrices that share a buffer (one mapped
-// checkpoint file) then neither serialise on each other nor count each other's bytes. A bf16 matrix has no
-// scales/biases; `none` (a never-written scratch word) stands in for those slots, which the kernel never reads.
-struct MatrixBindings {
-  Binding w, s, b;
-};
-MatrixBindings bind(const DeviceMatrix& W, int slot_w, int slot_s, int slot_b, Buffer* none) {
-  const uint64_t last = uint64_t(std::max(W.experts, 1) - 1);
-  const uint64_t payload = W.format == LILY_W_Q4 ? uint64_t(W.cols) / 2 : W.format == LILY_W_Q8 ? uint64_t(W.cols) : uint64_t(W.cols) * 2;
-  MatrixBindings m;
-  m.w = {slot_w, W.w, W.w_offset, Access::read, last * W.w_expert_bytes + uint64_t(W.rows - 1) * W.w_row_bytes + payload};
-  if (W.format == LILY_W_BF16) {
-    m.s = {slot_s, none, 0, Access::read, 4};
-    m.b = {slot_b, none, 0, Access::read, 4};
-  } else {
-    const uint64_t sb = last * W.s_expert_bytes + uint64_t(W.rows - 1) * W.s_row_bytes + uint64_t(W.cols) / LILY_QGROUP * 2;
-    m.s = {slot_s, W.scales, W.s_offset, Access::read, sb};
-    m.b = {slot_b, W.biases, W.b_offset, Access::read, sb};
-  }
-  return m;
-}
 
+// Dimensions and matrix shapes of one layer's MoE, checked by every encoder that runs the experts.
 void check_dims(const MoeDevice& M) {
   if (M.experts <= 0 || M.experts > LILY_MOE_MAX_EXPERTS)
     throw std::invalid_argument("[moe] experts " + std::to_string(M.experts) + " outside [1, 1024]");
@@ -104,12 +84,20 @@ void check_dims(const MoeDevice& M) {
       M.shared_inter <= 0 || M.shared_inter % LILY_MOE_GEMM_BK)
     throw std::invalid_argument("[moe] hidden " + std::to_string(M.hidden) + ", inter " + std::to_string(M.inter) +
                                 ", shared_inter " + std::to_string(M.shared_inter) + " must be positive multiples of 64");
+  const int H = M.hidden, I = M.inter, Is = M.shared_inter;
+  check_matrix(M.gate, "gate", I, H);
+  check_matrix(M.up, "up", I, H);
+  check_matrix(M.down, "down", H, I);
+  check_matrix(M.shared_gate_proj, "shared_gate_proj", Is, H);
+  check_matrix(M.shared_up, "shared_up", Is, H);
+  check_matrix(M.shared_down, "shared_down", H, Is);
+  check_matrix(M.shared_gate, "shared_gate", 1, H);
 }
 
 // out f32 [T, W.rows] = xn [T, H] · Wᵀ (router logits, or the shared expert's one gate logit per token).
 void encode_logits(Encoder& enc, MoeScratch& s, const DeviceMatrix& W, View xn, int T, View out) {
   const MoeRouteArgs args{.T = T, .rows = W.rows, .cols = W.cols, .top_k = 0, .W = strides(W)};
-  const MatrixBindings m = bind(W, LILY_MOE_ROUTE_W, LILY_MOE_ROUTE_SCALES, LILY_MOE_ROUTE_BIASES, s.none.get());
+  const MatrixBindings m = bind_matrix(W, LILY_MOE_ROUTE_W, LILY_MOE_ROUTE_SCALES, LILY_MOE_ROUTE_BIASES);
   enc.dispatch(kRouteLogits[W.format], Grid{cdiv(W.rows, LILY_MOE_ROUTE_SIMDGROUPS), cdiv(T, LILY_MOE_ROUTE_TOKENS), 1},
                Grid{uint32_t(LILY_MOE_ROUTE_SIMDGROUPS * LILY_SIMD_WIDTH), 1, 1}, args,
                {{LILY_MOE_ROUTE_X, xn.buffer, xn.offset, Access::read, uint64_t(T) * W.cols * 2}, m.w, m.s, m.b,
@@ -179,13 +167,6 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
   if (T <= 0) return;
   check_dims(M);
   const int E = M.experts, k = M.top_k, H = M.hidden, I = M.inter, Is = M.shared_inter;
-  check_matrix(M.gate, "gate", I, H);
-  check_matrix(M.up, "up", I, H);
-  check_matrix(M.down, "down", H, I);
-  check_matrix(M.shared_gate_proj, "shared_gate_proj", Is, H);
-  check_matrix(M.shared_up, "shared_up", Is, H);
-  check_matrix(M.shared_down, "shared_down", H, Is);
-  check_matrix(M.shared_gate, "shared_gate", 1, H);
   if (M.gate.format != M.up.format || M.gate.w_row_bytes != M.up.w_row_bytes || M.gate.w_expert_bytes != M.up.w_expert_bytes ||
       M.gate.s_row_bytes != M.up.s_row_bytes || M.gate.s_expert_bytes != M.up.s_expert_bytes ||
       M.shared_gate_proj.format != M.shared_up.format || M.shared_gate_proj.w_row_bytes != M.shared_up.w_row_bytes ||
@@ -229,16 +210,16 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
 
   // gate/up + SwiGLU: routed over the block map, shared over the T rows.
   {
-    const MatrixBindings g = bind(M.gate, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
-    const MatrixBindings u = bind(M.up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1, s.none.get());
+    const MatrixBindings g = bind_matrix(M.gate, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0);
+    const MatrixBindings u = bind_matrix(M.up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1);
     const MoeGemmArgs args{.K = H, .N = I, .rows = n, .dense = 0, .weight_sigmoid = 0, .ld_out = I, .W = strides(M.gate)};
     enc.dispatch(kGemmGateUp[M.gate.format][bmi], Grid{cdiv(I, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
                  {b_xn, {LILY_MOE_GEMM_SLOT_TOKEN, s.slot_token.get(), 0, Access::read, nb4}, b_blocks, g.w, g.s, g.b,
                   u.w, u.s, u.b, {LILY_MOE_GEMM_OUT, s.h.get(), 0, Access::write, uint64_t(n) * I * 2}});
   }
   {
-    const MatrixBindings g = bind(M.shared_gate_proj, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
-    const MatrixBindings u = bind(M.shared_up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1, s.none.get());
+    const MatrixBindings g = bind_matrix(M.shared_gate_proj, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0);
+    const MatrixBindings u = bind_matrix(M.shared_up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1);
     const MoeGemmArgs args{.K = H, .N = Is, .rows = T, .dense = 1, .weight_sigmoid = 0, .ld_out = Is,
                            .W = strides(M.shared_gate_proj)};
     enc.dispatch(kGemmGateUp[M.shared_gate_proj.format][bmi], Grid{cdiv(Is, LILY_MOE_GEMM_BN), cdiv(T, bm), 1},
@@ -248,7 +229,7 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
   }
   // down × routing weight (routed) and × σ(shared gate logit) (shared).
   {
-    const MatrixBindings d = bind(M.down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
+    const MatrixBindings d = bind_matrix(M.down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0);
     const MoeGemmArgs args{.K = I, .N = H, .rows = n, .dense = 0, .weight_sigmoid = 0, .ld_out = H, .W = strides(M.down)};
     enc.dispatch(kGemmDown[M.down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
                  {{LILY_MOE_GEMM_X, s.h.get(), 0, Access::read, uint64_t(n) * I * 2}, b_blocks,
@@ -256,7 +237,7 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
                   {LILY_MOE_GEMM_OUT, s.y.get(), 0, Access::write, uint64_t(n) * H * 4}});
   }
   {
-    const MatrixBindings d = bind(M.shared_down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0, s.none.get());
+    const MatrixBindings d = bind_matrix(M.shared_down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0);
     const MoeGemmArgs args{.K = Is, .N = H, .rows = T, .dense = 1, .weight_sigmoid = 1, .ld_out = H,
                            .W = strides(M.shared_down)};
     enc.dispatch(kGemmDown[M.shared_down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), cdiv(T, bm), 1}, gemm_threads, args,
@@ -277,13 +258,6 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
 void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x) {
   check_dims(M);
   const int k = M.top_k, H = M.hidden, I = M.inter, Is = M.shared_inter;
-  check_matrix(M.gate, "gate", I, H);
-  check_matrix(M.up, "up", I, H);
-  check_matrix(M.down, "down", H, I);
-  check_matrix(M.shared_gate_proj, "shared_gate_proj", Is, H);
-  check_matrix(M.shared_up, "shared_up", Is, H);
-  check_matrix(M.shared_down, "shared_down", H, Is);
-  check_matrix(M.shared_gate, "shared_gate", 1, H);
   // One fused dispatch serves the routed and the shared matrices, so they must share a format (they do in
   // every published Qwen3.6 quantisation: the shared expert is quantised like the routed ones).
   const int fmt_in = M.gate.format, fmt_down = M.down.format;
@@ -298,10 +272,10 @@ void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn,
 
   encode_logits(enc, s, M.shared_gate, xn, 1, {s.shared_logit.get(), 0});
   {
-    const MatrixBindings g = bind(M.gate, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0, s.none.get());
-    const MatrixBindings u = bind(M.up, LILY_MOE_GEMV_W1, LILY_MOE_GEMV_S1, LILY_MOE_GEMV_B1, s.none.get());
-    const MatrixBindings sg = bind(M.shared_gate_proj, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0, s.none.get());
-    const MatrixBindings su = bind(M.shared_up, LILY_MOE_GEMV_SW1, LILY_MOE_GEMV_SS1, LILY_MOE_GEMV_SB1, s.none.get());
+    const MatrixBindings g = bind_matrix(M.gate, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0);
+    const MatrixBindings u = bind_matrix(M.up, LILY_MOE_GEMV_W1, LILY_MOE_GEMV_S1, LILY_MOE_GEMV_B1);
+    const MatrixBindings sg = bind_matrix(M.shared_gate_proj, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0);
+    const MatrixBindings su = bind_matrix(M.shared_up, LILY_MOE_GEMV_SW1, LILY_MOE_GEMV_SS1, LILY_MOE_GEMV_SB1);
     const MoeGemvArgs args{.K = H, .N = I, .N_shared = Is, .K_shared = H, .top_k = k, .ld_h = ld_h,
                            .W = strides(M.gate), .Ws = strides(M.shared_gate_proj)};
     enc.dispatch(kGemvGateUp[fmt_in], Grid{cdiv(ld_h, LILY_MOE_GEMV_SIMDGROUPS), uint32_t(k + 1), 1}, threads, args,
@@ -310,8 +284,8 @@ void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn,
                   sg.s, sg.b, su.w, su.s, su.b, {LILY_MOE_GEMV_OUT, s.h.get(), 0, Access::write, h_bytes}});
   }
   {
-    const MatrixBindings d = bind(M.down, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0, s.none.get());
-    const MatrixBindings sd = bind(M.shared_down, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0, s.none.get());
+    const MatrixBindings d = bind_matrix(M.down, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0);
+    const MatrixBindings sd = bind_matrix(M.shared_down, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0);
     const MoeGemvArgs args{.K = I, .N = H, .N_shared = H, .K_shared = Is, .top_k = k, .ld_h = ld_h,
                            .W = strides(M.down), .Ws = strides(M.shared_down)};
     enc.dispatch(kGemvDown[fmt_down], Grid{cdiv(H, LILY_MOE_GEMV_SIMDGROUPS), 1, 1}, threads, args,

@@ -260,6 +260,13 @@ class ReferenceBackend final : public Backend {
     matmul(m_.lm_head, 0, row(Act::xn, 0), width(Act::xn), rows, row(Act::logits, 0), width(Act::logits), false);
   }
 
+  void select_greedy() override {
+    const float* l = row(Act::logits, 0);
+    selected_ = int32_t(std::max_element(l, l + c_.vocab) - l);  // first maximum, like numpy
+  }
+  void embed_selected() override { embed(&selected_, 1); }
+  int32_t read_token() override { return selected_; }
+
   void read_logits(float* out, int rows) override {
     std::memcpy(out, row(Act::logits, 0), size_t(rows) * c_.vocab * 4);
   }
@@ -429,6 +436,7 @@ class ReferenceBackend final : public Backend {
   std::vector<float> q_;                 // [T, n_q, d] normed + RoPE'd queries
   std::vector<int> route_ids_;           // [T, k]
   std::vector<float> route_w_;           // [T, k] renormalised routing weights
+  int32_t selected_ = 0;                 // the greedy token of the last select_greedy
   RefState* s_ = nullptr;
 };
 
