@@ -100,7 +100,7 @@ def test_greedy_generation_matches_transformers():
     engine = lily.Engine.from_pretrained(d)
     prompt = tm.default_prompt_ids()
     ref = tm.hf_greedy(d, prompt, 16)
-    out = engine.generate(prompt, max_tokens=16)
+    out = engine.generate(prompt, max_tokens=16, temperature=0)
     n = len(out.token_ids)
     assert out.token_ids == ref[:n]
     assert n == 16 or out.finish_reason == "stop"

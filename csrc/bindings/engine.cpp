@@ -9,6 +9,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/optional.h>
 
 #include <stdexcept>
 
@@ -21,6 +23,7 @@ using namespace lily;
 
 using TokenArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using FloatArray = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
+using LogitsRow = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 static FloatArray to_numpy(std::vector<float>&& v, size_t rows, size_t cols) {
   auto* heap = new std::vector<float>(std::move(v));
@@ -105,6 +108,65 @@ void init_engine(nb::module_& m) {
            nb::arg("config"), nb::arg("files"), nb::arg("specs"))
       .def_prop_ro("config", [](const Model& mo) { return mo.config(); });
 
+  nb::class_<SamplingParams>(m, "SamplingParams")
+      .def(nb::init<>())
+      .def_rw("temperature", &SamplingParams::temperature)
+      .def_rw("top_k", &SamplingParams::top_k)
+      .def_rw("top_p", &SamplingParams::top_p)
+      .def_rw("min_p", &SamplingParams::min_p)
+      .def_rw("repetition_penalty", &SamplingParams::repetition_penalty)
+      .def_rw("presence_penalty", &SamplingParams::presence_penalty)
+      .def_rw("frequency_penalty", &SamplingParams::frequency_penalty)
+      .def_rw("seed", &SamplingParams::seed)
+      .def_rw("logprobs", &SamplingParams::logprobs)
+      .def_rw("top_logprobs", &SamplingParams::top_logprobs)
+      .def("validate", &SamplingParams::validate);
+
+  nb::class_<TokenChoice>(m, "TokenChoice")
+      .def_ro("token", &TokenChoice::token)
+      .def_ro("logprob", &TokenChoice::logprob)
+      .def_ro("top", &TokenChoice::top);
+
+  // The sampler on its own, over logits given by the caller (tests check its distributions).
+  nb::class_<Sampler>(m, "Sampler")
+      .def(
+          "__init__",
+          [](Sampler* self, const SamplingParams& p, int vocab, const std::vector<int32_t>& context) {
+            new (self) Sampler(p, vocab, context.data(), int64_t(context.size()));
+          },
+          nb::arg("params"), nb::arg("vocab"), nb::arg("context") = std::vector<int32_t>{})
+      .def("sample", [](Sampler& sm, LogitsRow l) { return sm.sample(l.data()); })
+      .def(
+          "sample_many",
+          [](Sampler& sm, LogitsRow l, int64_t n) {
+            std::vector<int32_t> out(static_cast<size_t>(n));
+            {
+              nb::gil_scoped_release nogil;
+              for (auto& t : out) t = sm.sample(l.data()).token;
+            }
+            return out;
+          },
+          "n draws from one logits row (without accepting them: penalties stay as they are)")
+      .def("accept", &Sampler::accept)
+      .def("probabilities", [](const Sampler& sm, LogitsRow l) {
+        auto p = sm.probabilities(l.data());
+        const size_t n = p.size();
+        return to_numpy(std::move(p), 1, n);
+      })
+      .def_prop_ro("draws", &Sampler::draws);
+
+  nb::class_<Generation>(m, "Generation")
+      .def("next",
+           [](Generation& g) {
+             nb::gil_scoped_release nogil;
+             return g.next();
+           })
+      .def_prop_ro("done", &Generation::done)
+      .def_prop_ro("finish_reason", [](const Generation& g) { return std::string(g.finish_reason()); })
+      .def_prop_ro("generated", &Generation::generated)
+      .def_prop_ro("max_tokens", &Generation::max_tokens)
+      .def_prop_ro("on_device", &Generation::on_device);
+
   nb::class_<Session>(m, "Session")
       .def_prop_ro("position", [](const Session& s) { return s.state->pos; })
       .def_prop_ro("tokens", [](const Session& s) { return s.tokens; })
@@ -142,6 +204,54 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("max_context", &Engine::max_context)
       .def("new_session", &Engine::new_session)
       .def("clone_session", &Engine::clone_session)
+      .def("state_bytes", &Engine::state_bytes)
+      .def(
+          "export_session",
+          [](Engine& e, const Session& s) {
+            std::vector<StateTensor> ts;
+            {
+              nb::gil_scoped_release nogil;
+              ts = e.export_session(s);
+            }
+            nb::list out;
+            for (auto& t : ts)
+              out.append(nb::make_tuple(t.name, t.dtype, t.shape,
+                                        nb::bytes(reinterpret_cast<const char*>(t.data.data()), t.data.size())));
+            return out;
+          },
+          "[(name, dtype, shape, bytes)] of the session's state (Backend::export_state)")
+      .def(
+          "import_session",
+          [](Engine& e, nb::list tensors, const std::vector<int32_t>& tokens) {
+            std::vector<StateTensor> ts;
+            for (nb::handle h : tensors) {
+              nb::tuple t = nb::cast<nb::tuple>(h);
+              StateTensor st;
+              st.name = nb::cast<std::string>(t[0]);
+              st.dtype = nb::cast<std::string>(t[1]);
+              st.shape = nb::cast<std::vector<int64_t>>(t[2]);
+              nb::bytes b = nb::cast<nb::bytes>(t[3]);
+              st.data.assign(static_cast<const uint8_t*>(b.data()), static_cast<const uint8_t*>(b.data()) + b.size());
+              ts.push_back(std::move(st));
+            }
+            nb::gil_scoped_release nogil;
+            return e.import_session(ts, tokens);
+          },
+          nb::arg("tensors"), nb::arg("tokens"))
+      .def(
+          "generation",
+          [](Engine& e, Session& s, TokenArray prompt, int64_t max_tokens, const std::vector<int32_t>& stop_ids,
+             const SamplingParams& params, int chunk, std::optional<LogitsRow> first_logits) {
+            GenerateOptions o;
+            o.max_tokens = max_tokens, o.stop_ids = stop_ids, o.sampling = params, o.chunk = chunk;
+            if (first_logits && int64_t(first_logits->shape(0)) != e.model().config().vocab)
+              throw std::invalid_argument("[engine] first_logits must have vocab entries");
+            return new Generation(e, s, prompt.data(), int64_t(prompt.shape(0)), o,
+                                  first_logits ? first_logits->data() : nullptr);
+          },
+          nb::arg("session"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_ids"), nb::arg("params"),
+          nb::arg("chunk") = 0, nb::arg("first_logits") = nb::none(), nb::rv_policy::take_ownership,
+          nb::keep_alive<0, 1>(), nb::keep_alive<0, 2>())
       .def(
           "logits",
           [](Engine& e, Session& s, TokenArray tokens, int chunk) {

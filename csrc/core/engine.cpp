@@ -92,41 +92,136 @@ std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, in
   return out;
 }
 
+int64_t Engine::state_bytes(const Session& s) const {
+  const ModelConfig& c = model_->config();
+  int64_t bytes = 0;
+  for (int i = 0; i < c.layers; ++i)
+    bytes += c.is_attention(i) ? 2 * int64_t(c.n_kv) * s.state->capacity * c.head_dim * 4
+                               : (int64_t(c.conv_kernel - 1) * c.conv_dim() + int64_t(c.lin_nv) * c.lin_dk * c.lin_dv) * 4;
+  return bytes;
+}
+
+std::vector<StateTensor> Engine::export_session(const Session& s) { return backend_->export_state(*s.state); }
+
+std::unique_ptr<Session> Engine::import_session(const std::vector<StateTensor>& tensors, const std::vector<int32_t>& tokens) {
+  if (int64_t(tokens.size()) > max_context_)
+    throw std::length_error("[engine] the saved session holds " + std::to_string(tokens.size()) +
+                            " tokens, more than max_context " + std::to_string(max_context_));
+  check_tokens(tokens.data(), int64_t(tokens.size()), model_->config().vocab);
+  auto s = new_session();
+  backend_->import_state(*s->state, int64_t(tokens.size()), tensors);
+  s->tokens = tokens;
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------- generation
+
+static std::vector<int32_t> joined(const std::vector<int32_t>& a, const int32_t* b, int64_t n) {
+  std::vector<int32_t> v(a);
+  if (n > 0) v.insert(v.end(), b, b + n);
+  return v;
+}
+
+Generation::Generation(Engine& e, Session& s, const int32_t* prompt, int64_t n, GenerateOptions o,
+                       const float* first_logits)
+    : e_(e), s_(s), prompt_(prompt, prompt + std::max<int64_t>(n, 0)), o_(std::move(o)),
+      sampler_(o_.sampling, e.model().config().vocab, joined(s.tokens, prompt, n).data(), int64_t(s.tokens.size()) + n) {
+  const int V = e.model().config().vocab;
+  if (n < 0) throw std::invalid_argument("[engine] negative prompt length");
+  if (n == 0 && !first_logits) throw std::invalid_argument("[engine] empty prompt");
+  e.check_context(s, n);
+  check_tokens(prompt, n, V);
+  e.chunk_rows(o_.chunk);
+  if (first_logits) first_logits_.assign(first_logits, first_logits + V);
+  logits_.resize(size_t(V));
+  device_ = o_.sampling.greedy() && !o_.sampling.penalised();
+  // k generated tokens feed k - 1 of them: the context bounds the count.
+  max_tokens_ = std::min<int64_t>(o_.max_tokens, e.max_context() - s.state->pos - n + 1);
+  if (max_tokens_ <= 0) finish_ = "length";
+}
+
+TokenChoice Generation::choose_host(const float* logits) { return sampler_.sample(logits); }
+
+TokenChoice Generation::next() {
+  if (finish_) throw std::logic_error("[engine] generation already finished");
+  Backend& b = *e_.backend_;
+  const Model& m = *e_.model_;
+  const bool want_logprobs = o_.sampling.logprobs || o_.sampling.top_logprobs > 0;
+  bool fed = true;
+  if (!started_) {
+    started_ = true;
+    const int64_t n = int64_t(prompt_.size());
+    if (n == 0) {
+      fed = false;
+    } else if (n == 1) {
+      schedule::decode_step(b, m, *s_.state, prompt_.data(), device_);
+      s_.decoded += 1;
+    } else {
+      const int rows = e_.chunk_rows(o_.chunk);
+      for (int64_t i = 0; i < n; i += rows) {
+        const int T = int(std::min<int64_t>(rows, n - i));
+        const bool last = i + T == n;
+        schedule::prefill_chunk(b, m, *s_.state, prompt_.data() + i, T,
+                                last ? schedule::Logits::last : schedule::Logits::none, last && device_);
+      }
+      s_.prefilled += n;
+    }
+    s_.tokens.insert(s_.tokens.end(), prompt_.begin(), prompt_.end());
+  } else {
+    // Feed the previous token: from the device's input slot when it was selected there.
+    const bool from_host = !device_ || last_on_host_;
+    schedule::decode_step(b, m, *s_.state, from_host ? &last_ : nullptr, device_);
+    s_.decoded += 1;
+    s_.tokens.push_back(last_);
+  }
+  TokenChoice c;
+  if (!fed) {
+    c = choose_host(first_logits_.data());
+    last_on_host_ = true;
+  } else if (device_) {
+    c.token = b.read_token();
+    if (want_logprobs) {
+      b.read_logits(logits_.data(), 1);
+      sampler_.fill_logprobs(logits_.data(), c);
+    }
+    last_on_host_ = false;
+  } else {
+    b.read_logits(logits_.data(), 1);
+    c = choose_host(logits_.data());
+    last_on_host_ = true;
+  }
+  sampler_.accept(c.token);
+  last_ = c.token;
+  ++generated_;
+  if (std::find(o_.stop_ids.begin(), o_.stop_ids.end(), c.token) != o_.stop_ids.end()) finish_ = "stop";
+  else if (generated_ >= max_tokens_) finish_ = "length";
+  return c;
+}
+
+std::vector<int32_t> Engine::generate(Session& s, const int32_t* prompt, int64_t n, const GenerateOptions& o,
+                                      const std::function<bool(const TokenChoice&)>& on_token) {
+  Generation g(*this, s, prompt, n, o);
+  std::vector<int32_t> out;
+  while (!g.done()) {
+    const TokenChoice c = g.next();
+    out.push_back(c.token);
+    if (on_token && !on_token(c)) break;
+  }
+  return out;
+}
+
 std::vector<int32_t> Engine::generate_greedy(Session& s, const int32_t* prompt, int64_t n, int64_t max_tokens,
                                              const std::vector<int32_t>& stop_ids,
                                              const std::function<bool(int32_t)>& on_token, int chunk) {
   if (n <= 0) throw std::invalid_argument("[engine] empty prompt");
-  check_context(s, n + max_tokens);
-  check_tokens(prompt, n, model_->config().vocab);
-  std::vector<int32_t> out;
-  if (max_tokens <= 0) return out;
-  // The prompt, whose last chunk (or single decode step) also selects the first token on the device.
-  const int rows = chunk_rows(chunk);
-  if (n == 1) {
-    schedule::decode_step(*backend_, *model_, *s.state, prompt, true);
-    s.decoded += 1;
-  } else {
-    for (int64_t i = 0; i < n; i += rows) {
-      const int T = int(std::min<int64_t>(rows, n - i));
-      const bool last = i + T == n;
-      schedule::prefill_chunk(*backend_, *model_, *s.state, prompt + i, T,
-                              last ? schedule::Logits::last : schedule::Logits::none, last);
-    }
-    s.prefilled += n;
-  }
-  s.tokens.insert(s.tokens.end(), prompt, prompt + n);
-  // Each step embeds the token the previous one selected on the device; the CPU reads it only to
-  // report it and to check stop conditions.
-  for (int64_t i = 0;; ++i) {
-    const int32_t tok = backend_->read_token();
-    out.push_back(tok);
-    const bool stop = std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end();
-    if ((on_token && !on_token(tok)) || stop || i + 1 == max_tokens) break;
-    schedule::decode_step(*backend_, *model_, *s.state, nullptr, true);
-    s.decoded += 1;
-    s.tokens.push_back(tok);
-  }
-  return out;
+  GenerateOptions o;
+  o.max_tokens = max_tokens;
+  o.stop_ids = stop_ids;
+  o.sampling.temperature = 0.f;
+  o.chunk = chunk;
+  return generate(s, prompt, n, o, on_token ? std::function<bool(const TokenChoice&)>([&](const TokenChoice& c) {
+    return on_token(c.token);
+  }) : nullptr);
 }
 
 }  // namespace lily

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../schedule/backend.h"
+#include "sampling.h"
 #include "weights.h"
 
 namespace lily {
@@ -19,6 +20,54 @@ struct Session {
   int64_t decoded = 0;    // tokens run through the decode schedule
 };
 
+struct GenerateOptions {
+  int64_t max_tokens = 64;
+  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
+  SamplingParams sampling;
+  int chunk = 0;                  // prefill chunk rows (0 = the backend's limit)
+};
+
+class Engine;
+
+// One request's generation loop, advanced a token at a time so that callers can stream, and stop between
+// any two tokens (Engine::generate runs it to the end). The first next() runs the prompt (prefill chunks, or
+// one decode step for a single token); each later one runs one decode step for the previous token. The last
+// token returned is never fed: the session then holds the prompt and every generated token but the last.
+//
+// Token selection: temperature 0 without penalties keeps the token on the device (the last prefill chunk or
+// decode step ends with select_greedy, the next step's embed_selected reads it; the host reads only the id,
+// and the logits row only when logprobs are asked). Otherwise the host reads the logits row and the Sampler
+// (sampling.h) picks the token, which the next step embeds.
+class Generation {
+ public:
+  // `prompt` may be empty when `first_logits` [V] (the logits after the session's last token, kept by a
+  // snapshot) is given; the first token is then chosen from it. The repetition penalty sees the session's
+  // tokens plus the prompt.
+  Generation(Engine& e, Session& s, const int32_t* prompt, int64_t n, GenerateOptions o,
+             const float* first_logits = nullptr);
+
+  bool done() const { return finish_ != nullptr; }
+  const char* finish_reason() const { return finish_ ? finish_ : ""; }  // "stop" (a stop id) or "length"
+  TokenChoice next();  // throws std::logic_error once done
+  int64_t generated() const { return generated_; }
+  int64_t max_tokens() const { return max_tokens_; }
+  bool on_device() const { return device_; }
+
+ private:
+  TokenChoice choose_host(const float* logits);
+
+  Engine& e_;
+  Session& s_;
+  std::vector<int32_t> prompt_;
+  std::vector<float> first_logits_, logits_;
+  GenerateOptions o_;
+  Sampler sampler_;
+  bool device_ = false, started_ = false, last_on_host_ = false;
+  int32_t last_ = -1;
+  int64_t generated_ = 0, max_tokens_ = 0;
+  const char* finish_ = nullptr;
+};
+
 class Engine {
  public:
   Engine(std::shared_ptr<Model> model, std::unique_ptr<Backend> backend, int64_t max_context);
@@ -29,6 +78,11 @@ class Engine {
 
   std::unique_ptr<Session> new_session();
   std::unique_ptr<Session> clone_session(const Session& s);
+  // Upper bound of a session state's host/device bytes (KV capacity and GDN state at 4 bytes an element).
+  int64_t state_bytes(const Session& s) const;
+  // Session state as named host arrays (Backend::export_state) and a new session from them.
+  std::vector<StateTensor> export_session(const Session& s);
+  std::unique_ptr<Session> import_session(const std::vector<StateTensor>& tensors, const std::vector<int32_t>& tokens);
 
   // Teacher-forced logits [n, V] of `tokens` continuing the session. Prompts run through the prefill
   // schedule in chunks of at most `chunk` rows (0 = the backend's limit); a single token runs the decode step.
@@ -37,6 +91,10 @@ class Engine {
   // Feed `tokens` and return the logits of the last one only [V].
   std::vector<float> feed(Session& s, const int32_t* tokens, int64_t n, int chunk = 0);
 
+  // Runs a Generation to the end; on_token(choice) returns false to stop early. Returns the tokens.
+  std::vector<int32_t> generate(Session& s, const int32_t* prompt, int64_t n, const GenerateOptions& o,
+                                const std::function<bool(const TokenChoice&)>& on_token = nullptr);
+
   // Greedy generation: feeds the prompt, then decodes until a stop id or max_tokens. on_token returns
   // false to stop early.
   std::vector<int32_t> generate_greedy(Session& s, const int32_t* prompt, int64_t n, int64_t max_tokens,
@@ -44,6 +102,7 @@ class Engine {
                                        const std::function<bool(int32_t)>& on_token = nullptr, int chunk = 0);
 
  private:
+  friend class Generation;
   void check_context(const Session& s, int64_t n) const;
   int chunk_rows(int chunk) const;
 

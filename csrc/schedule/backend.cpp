@@ -1,6 +1,7 @@
 #include "backend.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 namespace lily {
 
@@ -23,6 +24,14 @@ int64_t act_width(const ModelConfig& c, Act a) {
     case Act::count: break;
   }
   return 0;
+}
+
+std::vector<StateTensor> Backend::export_state(const State&) {
+  throw std::runtime_error("[" + name() + "] this backend cannot export session state yet (Backend::export_state)");
+}
+
+void Backend::import_state(State&, int64_t, const std::vector<StateTensor>&) {
+  throw std::runtime_error("[" + name() + "] this backend cannot import session state yet (Backend::import_state)");
 }
 
 }  // namespace lily

@@ -38,6 +38,16 @@ struct State {
   int64_t capacity = 0;  // KV rows allocated per attention layer
 };
 
+// One named host array of a State (export_state / import_state): the session files of src/lily/session.py.
+// Names: "layers.{i}.k" / "layers.{i}.v" [n_kv, pos, d] (only the rows in use), "layers.{i}.conv"
+// [k_c - 1, C], "layers.{i}.rec" [n_v, d_k, d_v]. dtype: "f32", "bf16" or "f16" (the backend's own format).
+struct StateTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> data;  // little-endian, row-major
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -50,6 +60,11 @@ class Backend {
   virtual void reserve(State& s, int64_t tokens) = 0;
   virtual std::unique_ptr<State> clone_state(const State& s) = 0;
   virtual void bind(State* s) = 0;  // the state the ops below read and update
+  // A state as named host arrays and back (the names and shapes above). import_state takes a fresh state
+  // and the position the arrays hold, grows the KV cache and copies; it throws std::invalid_argument on a
+  // missing name, a shape or dtype mismatch. Defaults throw: a backend without them cannot save sessions.
+  virtual std::vector<StateTensor> export_state(const State& s);
+  virtual void import_state(State& s, int64_t pos, const std::vector<StateTensor>& tensors);
 
   // ---- ops of one prefill chunk or decode step: T rows at positions [pos, pos + T) ----
   virtual void embed(const int32_t* tokens, int T) = 0;                 // x ← E[tokens]

@@ -1,4 +1,4 @@
-"""`lily` command line: generate, synth, convert. Each subcommand's --help shows examples."""
+"""`lily` command line: generate, chat, synth, convert. Each subcommand's --help shows examples."""
 from __future__ import annotations
 
 import argparse
@@ -14,39 +14,164 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads of the reference backend (0 = all cores)")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
+    g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most")
+    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None, help="Hugging Face semantics (prompt + output)")
+    g.add_argument("--presence-penalty", type=float, default=None, help="OpenAI semantics (output)")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI semantics (output)")
+    g.add_argument("--seed", type=int, default=None, help="same seed, same text")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--no-thinking", action="store_true", help="chat template with enable_thinking=False")
+
+
+def _sampling(args) -> dict:
+    kw = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                                         "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")}
+    kw["stop"] = args.stop
+    return kw
+
+
+def _load(args):
     from .engine import Engine
-
     t0 = time.perf_counter()
+    print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, end="", flush=True)
     engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads)
-    load_s = time.perf_counter() - t0
-    tok = engine.tokenizer
-    out: list[int] = []
-    shown = ""
+    print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return engine
 
-    def on_token(t: int) -> bool:
-        nonlocal shown
-        out.append(t)
-        if not args.json:
-            text = tok.decode([i for i in out if i not in engine.config.eos_token_id])
-            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
-        return True
 
-    t1 = time.perf_counter()
-    c = engine.generate(args.prompt, args.max_tokens, on_token=on_token)
-    gen_s = time.perf_counter() - t1
-    ids = c.token_ids
+def _style(on: bool):
+    dim, reset = ("\x1b[2m", "\x1b[0m") if on else ("", "")
+    return dim, reset
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    kw = _sampling(args)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if args.chat and args.no_thinking:
+        kw["enable_thinking"] = False
+    dim, reset = _style(not args.json and sys.stdout.isatty())
     if args.json:
-        print(json.dumps({"text": c.text, "token_ids": ids, "finish_reason": c.finish_reason,
-                          "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(ids)},
-                          "timings": {"load_s": load_s, "generate_s": gen_s}}))
-    else:
-        sys.stdout.write("\n")
-        print(f"[{c.prompt_tokens} prompt + {len(ids)} generated tokens in {gen_s:.2f} s; load {load_s:.2f} s]",
-              file=sys.stderr)
+        c = engine.generate(prompt, logprobs=args.logprobs, top_logprobs=args.top_logprobs, **kw)
+        out = {"text": c.text, "reasoning": c.reasoning, "tool_calls": c.tool_calls, "token_ids": c.token_ids,
+               "finish_reason": c.finish_reason, "seed": c.seed,
+               "usage": {"prompt_tokens": c.usage.prompt_tokens, "completion_tokens": c.usage.completion_tokens,
+                         "cached_tokens": c.usage.cached_tokens},
+               "timings": vars(c.timings)}
+        if c.logprobs is not None:
+            out["logprobs"] = [{"token_id": l.token_id, "token": l.token, "logprob": l.logprob,
+                                "top_logprobs": [list(t) for t in l.top_logprobs]} for l in c.logprobs]
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    last = None
+    for d in engine.stream(prompt, **kw):
+        if d.reasoning:
+            sys.stdout.write(dim + d.reasoning + reset)
+        sys.stdout.write(d.text)
+        sys.stdout.flush()
+        last = d
+    sys.stdout.write("\n")
+    u, t = last.usage, last.timings
+    print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, {last.finish_reason}; "
+          f"ttft {t.ttft_s * 1e3:.0f} ms, prefill {t.prefill_tokens_per_s:.1f} tok/s, "
+          f"decode {t.decode_tokens_per_s:.1f} tok/s; seed {last.seed}]", file=sys.stderr)
+    return 0
+
+
+CHAT_HELP = """commands: /reset (new conversation), /undo (drop the last exchange), /retry (regenerate the last
+answer), /save PATH, /load PATH, /help, /quit"""
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .session import Session
+    engine = _load(args)
+    kw = _sampling(args)
+    if args.no_thinking:
+        kw["enable_thinking"] = False
+    session = engine.new_session()
+    msgs: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    dim, reset = _style(not args.no_color and sys.stdout.isatty())
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(CHAT_HELP)
+
+    def answer() -> None:
+        last = None
+        try:
+            for d in engine.stream(msgs, session=session, **kw):
+                if d.reasoning:
+                    sys.stdout.write(dim + d.reasoning + reset)
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+                last = d
+        except KeyboardInterrupt:  # the session is as it was before the request
+            print("\n[interrupted]")
+            msgs.pop()
+            return
+        print()
+        msgs.append(last.message or {"role": "assistant", "content": ""})
+        u = last.usage
+        print(f"{dim}[{u.prompt_tokens} prompt tokens, {u.cached_tokens} cached; {u.completion_tokens} generated, "
+              f"{last.timings.decode_tokens_per_s:.1f} tok/s]{reset}", file=sys.stderr)
+
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        cmd, _, arg = line.partition(" ")
+        if cmd in ("/quit", "/exit"):
+            break
+        elif cmd == "/help":
+            print(CHAT_HELP)
+        elif cmd == "/reset":
+            session.reset()
+            del msgs[1 if args.system else 0:]
+            print("[reset]")
+        elif cmd == "/undo":
+            while msgs and msgs[-1]["role"] != "user":
+                msgs.pop()
+            if msgs and msgs[-1]["role"] == "user":
+                msgs.pop()
+            print("[undone]")
+        elif cmd == "/retry":
+            while msgs and msgs[-1]["role"] == "assistant":
+                msgs.pop()
+            if msgs and msgs[-1]["role"] == "user":
+                answer()
+            else:
+                print("[nothing to retry]")
+        elif cmd == "/save":
+            if not arg:
+                print("usage: /save PATH")
+                continue
+            session.save(arg)
+            with open(arg + ".json", "w") as f:
+                json.dump(msgs, f, ensure_ascii=False)
+            print(f"[saved {arg}]")
+        elif cmd == "/load":
+            try:
+                session = Session.load(arg, engine)
+                with open(arg + ".json") as f:
+                    msgs[:] = json.load(f)
+            except (OSError, ValueError) as e:
+                print(f"[cannot load: {e}]")
+                continue
+            print(f"[loaded {arg}: {len(msgs)} messages, {session.position} tokens]")
+        elif cmd.startswith("/"):
+            print(f"[unknown command {cmd}]\n{CHAT_HELP}")
+        else:
+            msgs.append({"role": "user", "content": line})
+            answer()
     return 0
 
 
@@ -72,15 +197,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lily", description="Lily: an inference engine for Qwen3.6-35B-A3B.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text from a prompt", formatter_class=ex, epilog="""examples:
+    g = sub.add_parser("generate", help="generate text from a prompt (streams)", formatter_class=ex, epilog="""examples:
   lily generate --model synthetic:tiny "Hello"
-  lily generate --model mlx-community/Qwen3.6-35B-A3B-4bit --max-tokens 64 "Write a haiku"
-  lily generate --json "Hello" | jq .text""")
+  lily generate --model mlx-community/Qwen3.6-35B-A3B-4bit --chat --max-tokens 256 "Write a haiku"
+  lily generate -t 0 --max-tokens 32 "Once upon a time"          # greedy
+  lily generate --seed 1 --top-p 0.9 --stop "\\n\\n" "Hello"       # same seed, same text
+  lily generate --json --logprobs --top-logprobs 3 "Hello" | jq .text""")
     _add_model_args(g)
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=64)
+    _add_sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--logprobs", action="store_true", help="with --json: per-token logprobs")
+    g.add_argument("--top-logprobs", type=int, default=0, help="with --json: alternatives per token")
     g.set_defaults(func=cmd_generate)
+
+    ch = sub.add_parser("chat", help="interactive chat (streaming, sessions)", formatter_class=ex,
+                        epilog="""examples:
+  lily chat --model mlx-community/Qwen3.6-35B-A3B-4bit
+  lily chat --model synthetic:tiny --no-thinking --max-tokens 64
+  printf 'hi\\n/retry\\n/save s.lily\\n' | lily chat     # scripted from stdin
+
+""" + CHAT_HELP + """
+Each turn prefills only what follows the cached conversation; thinking is shown dimmed.""")
+    _add_model_args(ch)
+    _add_sampling_args(ch)
+    ch.add_argument("--system", default=None, help="system message")
+    ch.add_argument("--no-color", action="store_true", help="do not dim the thinking")
+    ch.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("synth", help="write a synthetic checkpoint of the exact architecture", formatter_class=ex,
                        epilog="""examples:

@@ -16,8 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+import json
+import secrets
+import time
+from typing import Iterator
+
 from . import _core
 from .checkpoint import Checkpoint, Qwen36Config, read_checkpoint, resolve
+from .session import Session
 from .tokenizer import Tokenizer
 
 BACKENDS = ("reference", "metal-emu", "metal")
@@ -27,43 +33,89 @@ class ContextLimitError(ValueError):
     """A request that would not fit the session's context limit; raised before any work is done."""
 
 
-class Session:
-    """One conversation's model state (KV cache, conv and recurrent state) and the tokens it has seen."""
-
-    def __init__(self, engine: "Engine", core: "_core.Session"):
-        self.engine = engine
-        self._core = core
-
-    @property
-    def position(self) -> int:
-        """Tokens already processed."""
-        return self._core.position
+@dataclass
+class Usage:
+    prompt_tokens: int = 0      # tokens of the whole prompt
+    completion_tokens: int = 0  # tokens generated (the stop token included)
+    cached_tokens: int = 0      # prompt tokens the session already held (not processed again)
 
     @property
-    def tokens(self) -> list[int]:
-        return self._core.tokens
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
     @property
     def prefilled_tokens(self) -> int:
-        """Tokens that went through the prefill schedule in this session (a cost counter)."""
-        return self._core.prefilled
+        """Prompt tokens this request processed."""
+        return self.prompt_tokens - self.cached_tokens
 
-    @property
-    def decoded_tokens(self) -> int:
-        return self._core.decoded
 
-    def fork(self) -> "Session":
-        """An independent copy of this session's state."""
-        return Session(self.engine, self.engine._core.clone_session(self._core))
+@dataclass
+class Timings:
+    ttft_s: float = 0.0            # request start to the first token (prompt processing included)
+    prefill_tokens_per_s: float = 0.0
+    decode_s: float = 0.0          # first token to the last
+    decode_tokens_per_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str                     # the token's text (may be part of a UTF-8 character)
+    logprob: float                 # log-probability under the model's raw distribution
+    top_logprobs: list = field(default_factory=list)  # [(token_id, token, logprob)], most likely first
+
+
+@dataclass
+class Delta:
+    """One step of a stream: the text, reasoning and tool calls it completed, the token ids it decoded; the last
+    delta of a stream has finish_reason, usage and timings."""
+
+    text: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    seed: int | None = None        # final delta: the seed the sampler used
+    stop: str | None = None        # final delta: the stop string that ended the text
+    message: dict | None = None    # final delta: the assistant turn, to append to the conversation
 
 
 @dataclass
 class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" or "length"
-    prompt_tokens: int
-    extra: dict = field(default_factory=dict)
+    text: str                  # the answer (for chat requests: the content, without reasoning or tool calls)
+    token_ids: list[int]       # every generated token (a stop token included)
+    finish_reason: str         # "stop" (a stop token or string), "length" or "tool_calls"
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI shape: {id, type, function: {name, arguments}}
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+    logprobs: list[TokenLogprob] | None = None
+    seed: int | None = None
+    stop: str | None = None    # the stop string that ended the text
+    message: dict = field(default_factory=dict)  # the assistant turn, to append to the conversation
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    boundary: int              # tokens of the conversation without the generation prompt (0: none)
+    params: object             # _core.SamplingParams
+    max_tokens: int
+    stops: list[str]
+    stop_ids: list[int]
+    chat: bool                 # parse reasoning / tool calls
+    in_reasoning: bool
+    tools: list | None
+    session: Session | None
+    chunk: int
 
 
 class Engine:
@@ -88,6 +140,8 @@ class Engine:
         self.backend = backend
         self.prefill_chunk = prefill_chunk
         self._tokenizer: Tokenizer | None = None
+        self._defaults: dict | None = None
+        self._active = None  # the unfinished stream, if any (one request at a time per engine)
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | os.PathLike, backend: str = "reference", *,
@@ -114,8 +168,32 @@ class Engine:
         or decode step; "total" every one so far. Metal backends only (metal-emu counts bytes); {} otherwise."""
         return self._core.counters()
 
-    def new_session(self) -> Session:
-        return Session(self, self._core.new_session())
+    def new_session(self, **kwargs) -> Session:
+        """A new conversation state (kwargs: snapshot_budget in bytes); see lily.session."""
+        return Session(self, **kwargs)
+
+    @property
+    def generation_defaults(self) -> dict:
+        """Sampling defaults from the checkpoint's generation_config.json (Hugging Face semantics: without
+        do_sample the default is greedy)."""
+        if self._defaults is None:
+            path = self.path / "generation_config.json"
+            try:
+                g = json.loads(path.read_text()) if path.exists() else {}
+            except (OSError, json.JSONDecodeError):
+                g = {}
+            d = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 256}
+            for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty"):
+                if g.get(k) is not None:
+                    d[k] = g[k]
+            if g.get("max_new_tokens"):
+                d["max_tokens"] = int(g["max_new_tokens"])
+            if not g.get("do_sample", False):
+                d["temperature"] = 0.0
+            self._defaults = d
+        return dict(self._defaults)
 
     def logits(self, token_ids, session: Session | None = None, *, chunk_size: int | None = None) -> np.ndarray:
         """Teacher-forced logits [T, vocab] (float32) for every position of `token_ids`, continuing the
@@ -123,33 +201,238 @@ class Engine:
         ids = _as_ids(token_ids, self.config.vocab_size)
         s = session or self.new_session()
         self._check_context(s, len(ids))
-        return self._core.logits(s._core, ids, chunk_size or 0)
+        self._check_idle()
+        before = (s._core.prefilled, s._core.decoded)
+        out = self._core.logits(s._core, ids, chunk_size or 0)
+        s._count(s._core, before)
+        return out
 
     def prefill(self, token_ids, session: Session, *, chunk_size: int | None = None) -> np.ndarray:
         """Feeds `token_ids` into the session (prefill chunks, or one decode step for a single token) and
         returns the logits of the last one [vocab]; only that row goes through lm_head."""
         ids = _as_ids(token_ids, self.config.vocab_size)
         self._check_context(session, len(ids))
-        return self._core.feed(session._core, ids, chunk_size or 0)[0]
+        self._check_idle()
+        before = (session._core.prefilled, session._core.decoded)
+        out = self._core.feed(session._core, ids, chunk_size or 0)[0]
+        session._count(session._core, before)
+        return out
+
+    def _check_idle(self) -> None:
+        if self._active is not None:
+            raise RuntimeError("a stream of this engine is still running: finish it or close() it first "
+                               "(one request at a time per engine)")
 
     def _check_context(self, session: Session, n: int) -> None:
         if session.position + n > self.max_context:
             raise ContextLimitError(f"context limit exceeded: {session.position} cached + {n} new tokens > "
                                     f"max_context {self.max_context}")
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 64, *, session: Session | None = None,
-                 on_token=None) -> Completion:
-        """Greedy generation from a text or token prompt. on_token(id) is called as each token is decoded;
-        returning False stops generation."""
-        ids = _as_ids(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, self.config.vocab_size)
-        s = session or self.new_session()
-        self._check_context(s, len(ids))
-        max_tokens = min(max_tokens, self.max_context - s.position - len(ids))
-        out = self._core.generate_greedy(s._core, ids, max_tokens, self.config.eos_token_id,
-                                         (lambda t: on_token(t) is not False) if on_token else None)
-        stopped = bool(out) and out[-1] in self.config.eos_token_id
-        text_ids = out[:-1] if stopped else out
-        return Completion(self.tokenizer.decode(text_ids), list(out), "stop" if stopped else "length", len(ids))
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt, **kwargs) -> Completion:
+        """Generates an answer. prompt: a string (raw text, no template), token ids, or chat messages (a list of
+        {"role", "content", ...} dicts, rendered with the checkpoint's chat template). Keywords as stream();
+        returns a Completion with the text, token ids, finish_reason, reasoning, tool calls, usage and timings."""
+        text, reasoning, ids, calls, lps = [], [], [], [], []
+        last = Delta()
+        for d in self.stream(prompt, **kwargs):
+            text.append(d.text)
+            reasoning.append(d.reasoning)
+            ids.extend(d.token_ids)
+            calls.extend(d.tool_calls)
+            lps.extend(d.logprobs)
+            last = d
+        return Completion("".join(text), ids, last.finish_reason or "length", "".join(reasoning), calls,
+                          last.usage or Usage(), last.timings or Timings(),
+                          lps if (kwargs.get("logprobs") or kwargs.get("top_logprobs")) else None,
+                          last.seed, last.stop, last.message or {"role": "assistant", "content": "".join(text)})
+
+    def stream(self, prompt, *, max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float | None = None,
+               frequency_penalty: float | None = None, seed: int | None = None, stop=None,
+               logprobs: bool = False, top_logprobs: int = 0, enable_thinking: bool | None = None,
+               tools: list[dict] | None = None, session: Session | None = None, chunk_size: int | None = None,
+               chat_template_kwargs: dict | None = None) -> Iterator[Delta]:
+        """Generates and yields Deltas as tokens are decoded (see generate() for `prompt`).
+
+        Sampling (defaults: generation_config.json): temperature (0 = greedy), top_p, top_k (0 = off), min_p,
+        repetition_penalty (HF, over prompt + output), presence_penalty / frequency_penalty (OpenAI, over the
+        output), seed (same seed, same tokens). stop: strings that end the text (never emitted). logprobs /
+        top_logprobs: per-token log-probabilities. enable_thinking, tools, chat_template_kwargs: passed to the
+        chat template. session: continue a Session, feeding only the tokens after its longest cached prefix.
+
+        Everything is checked before any work (a prompt beyond the context limit raises ContextLimitError).
+        Closing the iterator early (break, close()) or an error leaves the session as it was before."""
+        req = self._prepare(prompt, max_tokens, dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                            min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty), seed, stop, logprobs, top_logprobs,
+                            enable_thinking, tools, session, chunk_size, chat_template_kwargs or {})
+        self._check_idle()
+        holder: dict = {}
+        gen = self._run(req, holder)
+        holder["gen"] = self._active = gen
+        return gen
+
+    def _prepare(self, prompt, max_tokens, sampling, seed, stop, logprobs, top_logprobs, enable_thinking, tools,
+                 session, chunk_size, template_kwargs) -> _Request:
+        from .chat import prompt_opens_reasoning
+        d = self.generation_defaults
+        p = _core.SamplingParams()
+        for k, v in sampling.items():
+            setattr(p, k, float(d[k] if v is None else v) if k != "top_k" else int(d[k] if v is None else v))
+        if seed is None:
+            seed = secrets.randbits(63)
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        p.seed = seed & ((1 << 64) - 1)
+        p.logprobs, p.top_logprobs = bool(logprobs), int(top_logprobs or 0)
+        p.validate(self.config.vocab_size)
+        max_tokens = d["max_tokens"] if max_tokens is None else int(max_tokens)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or ()) if s]
+        if any(not isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if session is not None and session.engine is not self:
+            raise ValueError("the session belongs to another engine")
+        boundary, chat, in_reasoning = 0, False, False
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            in_reasoning = chat = prompt_opens_reasoning(prompt)
+        elif len(prompt) and isinstance(prompt[0], dict):
+            kw = dict(template_kwargs)
+            if enable_thinking is not None:
+                kw["enable_thinking"] = enable_thinking
+            text = self.tokenizer.apply_chat_template(prompt, tools, add_generation_prompt=True, tokenize=False, **kw)
+            ids = self.tokenizer.encode(text)
+            head = self.tokenizer.apply_chat_template(prompt, tools, add_generation_prompt=False, tokenize=False, **kw)
+            if text.startswith(head) and len(head) < len(text):
+                hid = self.tokenizer.encode(head)
+                if hid == ids[:len(hid)]:
+                    boundary = len(hid)
+            chat, in_reasoning = True, prompt_opens_reasoning(text)
+        else:
+            ids = prompt
+        ids = [int(t) for t in _as_ids(ids, self.config.vocab_size)]
+        if len(ids) > self.max_context:
+            raise ContextLimitError(f"context limit exceeded: the prompt has {len(ids)} tokens > max_context "
+                                    f"{self.max_context}")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return _Request(ids, boundary, p, max_tokens, stops, list(self.config.eos_token_id), chat, in_reasoning,
+                        tools, session, chunk_size or 0)
+
+    def _run(self, req: _Request, holder: dict) -> Iterator[Delta]:
+        from .chat import ChatParser
+        from .tokenizer import IncrementalDetokenizer, StopMatcher
+        tok = self.tokenizer
+        sess, ids, plan, before = req.session, req.ids, None, None
+        t0 = time.perf_counter()
+        matched = None
+        try:
+            empty = np.zeros(0, dtype=np.int32)
+            if sess is None:
+                core, cached = self._core.new_session(), 0
+                gen = self._core.generation(core, np.asarray(ids, np.int32), req.max_tokens, req.stop_ids,
+                                            req.params, req.chunk)
+            else:
+                plan = sess._plan(ids)
+                core, cached, first = plan.core, plan.cached, plan.first_logits
+                before = (core.prefilled, core.decoded)
+                if first is None:
+                    # Feed the prompt here, with snapshots at the end of the conversation's messages (where the
+                    # next turn's prompt diverges at the earliest) and at the end of the prompt (with its logits).
+                    pos = cached
+                    if pos < req.boundary < len(ids):
+                        self._core.feed(core, np.asarray(ids[pos:req.boundary], np.int32), req.chunk)
+                        plan.added.append(snap := sess._snapshot_of(core, "boundary"))
+                        sess._add(snap)
+                        pos = req.boundary
+                    first = self._core.feed(core, np.asarray(ids[pos:], np.int32), req.chunk)[0]
+                    plan.added.append(snap := sess._snapshot_of(core, "prompt", first))
+                    sess._add(snap)
+                gen = self._core.generation(core, empty, req.max_tokens, req.stop_ids, req.params, req.chunk,
+                                            np.ascontiguousarray(first, np.float32))
+            detok = IncrementalDetokenizer(tok)
+            stopper = StopMatcher(req.stops)
+            parser = ChatParser(in_reasoning=req.in_reasoning, tools=req.tools,
+                                parse_tool_calls=bool(req.tools)) if req.chat else None
+            want_lp = req.params.logprobs or req.params.top_logprobs > 0
+            out: list[int] = []
+            ttft = t_first = None
+            stopped = False
+            tool_calls: list = []
+
+            def route(text: str, final: bool) -> Delta:
+                d = Delta()
+                events = (parser.push(text) if text else []) if parser else [("content", text)]
+                if final and parser:
+                    events += parser.flush()
+                for kind, v in events:
+                    if kind == "reasoning":
+                        d.reasoning += v
+                    elif kind == "tool_call":
+                        d.tool_calls.append(v)
+                    else:
+                        d.text += v
+                tool_calls.extend(d.tool_calls)
+                return d
+
+            while not gen.done:
+                c = gen.next()
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft, t_first = now - t0, now
+                out.append(c.token)
+                piece = "" if c.token in req.stop_ids else detok.push(c.token)
+                emit, stopped = stopper.push(piece)
+                d = route(emit, False)
+                d.token_ids = [c.token]
+                if want_lp:
+                    d.logprobs = [TokenLogprob(c.token, tok.decode([c.token]), c.logprob,
+                                               [(t, tok.decode([t]), lp) for t, lp in c.top])]
+                if stopped:
+                    matched = stopper.stop
+                    break
+                yield d
+            tail = ""
+            if not stopped:
+                emit, stopped = stopper.push(detok.flush())
+                tail = emit + ("" if stopped else stopper.flush())
+                matched = stopper.stop
+            final = route(tail, True)
+            if stopped and out:  # the delta of the token that completed the stop string
+                final.token_ids, final.logprobs = d.token_ids, d.logprobs
+                final.text, final.reasoning = d.text + final.text, d.reasoning + final.reasoning
+                final.tool_calls = d.tool_calls + final.tool_calls
+            finish = "stop" if stopped else gen.finish_reason
+            if tool_calls and finish == "stop":
+                finish = "tool_calls"
+            t_end = time.perf_counter()
+            if sess is not None:
+                sess._count(core, before)
+                sess._commit(plan)
+            n_new = len(ids) - cached
+            final.finish_reason = finish
+            final.usage = Usage(len(ids), len(out), cached)
+            dec = t_end - (t_first or t_end)
+            final.timings = Timings(ttft or 0.0, n_new / ttft if ttft else 0.0, dec,
+                                    (len(out) - 1) / dec if dec > 0 else 0.0, t_end - t0)
+            final.seed, final.stop = req.params.seed, matched
+            final.message = parser.output.message() if parser else None
+            plan = None
+            self._active = None  # committed: the next request may start while the caller reads the last delta
+            yield final
+        except BaseException:
+            if plan is not None:
+                if before is not None:
+                    sess._count(plan.core, before)
+                sess._rollback(plan)
+            raise
+        finally:
+            if self._active is holder.get("gen"):
+                self._active = None
 
 
 def _as_ids(token_ids, vocab: int) -> np.ndarray:

@@ -165,6 +165,68 @@ class ReferenceBackend final : public Backend {
   std::unique_ptr<State> clone_state(const State& st) override { return std::make_unique<RefState>(static_cast<const RefState&>(st)); }
   void bind(State* s) override { s_ = static_cast<RefState*>(s); }
 
+  // Session files: KV rows [0, pos) of each head, conv and recurrent state, all f32 as held.
+  std::vector<StateTensor> export_state(const State& st) override {
+    const auto& s = static_cast<const RefState&>(st);
+    std::vector<StateTensor> out;
+    const int64_t d = c_.head_dim;
+    auto put = [&](std::string name, std::vector<int64_t> shape, const float* src, size_t n) {
+      StateTensor t{std::move(name), "f32", std::move(shape), std::vector<uint8_t>(n * 4)};
+      if (n) std::memcpy(t.data.data(), src, n * 4);
+      out.push_back(std::move(t));
+    };
+    for (int i = 0; i < c_.layers; ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      if (c_.is_attention(i)) {
+        for (auto [nm, cache] : {std::pair{"k", &s.k[i]}, std::pair{"v", &s.v[i]}}) {
+          std::vector<float> rows(size_t(c_.n_kv) * s.pos * d);
+          for (int h = 0; h < c_.n_kv && s.pos; ++h)
+            std::memcpy(&rows[size_t(h) * s.pos * d], &(*cache)[size_t(h) * s.capacity * d], size_t(s.pos) * d * 4);
+          put(p + nm, {c_.n_kv, s.pos, d}, rows.data(), rows.size());
+        }
+      } else {
+        put(p + "conv", {c_.conv_kernel - 1, c_.conv_dim()}, s.conv[i].data(), s.conv[i].size());
+        put(p + "rec", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, s.rec[i].data(), s.rec[i].size());
+      }
+    }
+    return out;
+  }
+
+  void import_state(State& st, int64_t pos, const std::vector<StateTensor>& tensors) override {
+    auto& s = static_cast<RefState&>(st);
+    if (pos < 0) throw std::invalid_argument("[reference] import_state: negative position");
+    auto find = [&](const std::string& name, std::vector<int64_t> shape) -> const StateTensor& {
+      for (const auto& t : tensors)
+        if (t.name == name) {
+          size_t n = 1;
+          for (auto x : shape) n *= size_t(x);
+          if (t.dtype != "f32" || t.shape != shape || t.data.size() != n * 4)
+            throw std::invalid_argument("[reference] state tensor '" + name + "' has the wrong dtype, shape or size");
+          return t;
+        }
+      throw std::invalid_argument("[reference] state tensor '" + name + "' is missing");
+    };
+    s.pos = 0;
+    reserve(s, std::max<int64_t>(pos, 1));
+    const int64_t d = c_.head_dim;
+    for (int i = 0; i < c_.layers; ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      if (c_.is_attention(i)) {
+        for (auto [nm, cache] : {std::pair{"k", &s.k[i]}, std::pair{"v", &s.v[i]}}) {
+          const auto& t = find(p + nm, {c_.n_kv, pos, d});
+          for (int h = 0; h < c_.n_kv && pos; ++h)
+            std::memcpy(&(*cache)[size_t(h) * s.capacity * d], t.data.data() + size_t(h) * pos * d * 4, size_t(pos) * d * 4);
+        }
+      } else {
+        const auto& cv = find(p + "conv", {c_.conv_kernel - 1, c_.conv_dim()});
+        const auto& rc = find(p + "rec", {c_.lin_nv, c_.lin_dk, c_.lin_dv});
+        std::memcpy(s.conv[i].data(), cv.data.data(), cv.data.size());
+        std::memcpy(s.rec[i].data(), rc.data.data(), rc.data.size());
+      }
+    }
+    s.pos = pos;
+  }
+
   // ---------------------------------------------------------------- ops
 
   void embed(const int32_t* tokens, int T) override {

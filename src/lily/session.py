@@ -1,0 +1,347 @@
+"""Sessions: one conversation's model state (KV cache, conv and recurrent state) that survives turns and restarts.
+
+    s = engine.new_session()
+    engine.generate(messages, session=s)          # prefills the prompt once
+    engine.generate(messages + [...], session=s)  # prefills only what follows the longest cached prefix
+    s.save("chat.lily"); s2 = lily.Session.load("chat.lily", engine)
+
+Each request feeds only the tokens after the longest cached prefix of its prompt. The recurrent (GDN) state
+cannot be trimmed back to an earlier position, so a session keeps snapshots (copies of the whole state,
+Backend::clone_state) at turn boundaries: where the conversation's messages end (before the generation prompt),
+where each prompt ends (with the logits of its last token, so regenerating an answer feeds nothing), and where
+each answer ended. Regenerating the last answer, editing an earlier message or switching branch resumes from the
+snapshot with the longest token history that is a prefix of the new prompt. Snapshots are bounded by a memory
+budget and evicted least recently used. Snapshots are never modified: a request resumes on a copy.
+
+A request that fails or is cancelled (a stream closed early) leaves the session exactly as it was before the
+request began: the live state it would have changed is restored from a copy taken when the request started.
+
+Files (save/load): one safetensors file; tensors "live.<state name>" and "snap<j>.<state name>" (state names of
+Backend::export_state: layers.{i}.k / .v / .conv / .rec) plus "snap<j>.logits"; the header's __metadata__ holds
+"lily.session", a JSON manifest: format version, token ids of the live state and of each snapshot, a CRC-32 of
+every tensor, and the fingerprint of the model (config, weight file names and sizes) and backend. A file of another
+model or backend, or a corrupt one, raises SessionFileError naming what differs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+FORMAT = "lily.session/1"
+DEFAULT_SNAPSHOT_BUDGET = 4 << 30  # bytes of snapshot state per session
+
+
+class SessionFileError(ValueError):
+    """A session file that cannot be loaded into this engine: another model or backend, or a corrupt file."""
+
+
+@dataclass
+class Snapshot:
+    """A frozen copy of a session's state after `tokens`; `logits` [V] of the last token when kept."""
+
+    tokens: tuple[int, ...]
+    core: object  # lily._core.Session, never modified
+    kind: str     # "boundary" (messages end), "prompt" (prompt end, with logits), "turn" (an answer's end)
+    nbytes: int
+    logits: np.ndarray | None = None
+    last_used: int = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class _Plan:
+    """One request's resume point and how to undo it."""
+
+    core: object             # the state the request works on
+    cached: int              # prompt tokens already in `core`
+    first_logits: np.ndarray | None  # when cached == len(prompt): logits of the last prompt token
+    source: Snapshot | None  # the snapshot resumed from (None: the live state)
+    backup: Snapshot | None  # a copy of the live state taken before a request that changes it in place
+    added: list = field(default_factory=list)  # snapshots taken during the request
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+class Session:
+    """One conversation's model state and the tokens it has seen; see the module docstring."""
+
+    def __init__(self, engine: "Engine", core=None, *, snapshot_budget: int = DEFAULT_SNAPSHOT_BUDGET):
+        self.engine = engine
+        self._core = core if core is not None else engine._core.new_session()
+        self.snapshot_budget = snapshot_budget
+        self.snapshots: list[Snapshot] = []
+        self._clock = 0
+        self._prefilled = 0  # tokens this session ran through prefill / decode, over every request
+        self._decoded = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def position(self) -> int:
+        """Tokens the live state has processed."""
+        return self._core.position
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._core.tokens
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Tokens that went through the prefill schedule for this session (a cost counter, all requests)."""
+        return self._prefilled
+
+    @property
+    def decoded_tokens(self) -> int:
+        """Tokens that went through the decode schedule for this session (all requests)."""
+        return self._decoded
+
+    def _count(self, core, before: tuple[int, int]) -> None:
+        self._prefilled += core.prefilled - before[0]
+        self._decoded += core.decoded - before[1]
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(s.nbytes for s in self.snapshots)
+
+    def fork(self) -> "Session":
+        """An independent copy: the live state is copied, snapshots (immutable) are shared."""
+        f = Session(self.engine, self.engine._core.clone_session(self._core), snapshot_budget=self.snapshot_budget)
+        f.snapshots = list(self.snapshots)
+        return f
+
+    def reset(self) -> None:
+        """Forget everything: an empty state, no snapshots."""
+        self._core = self.engine._core.new_session()
+        self.snapshots = []
+
+    # ------------------------------------------------------------------ snapshots
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _snapshot_of(self, core, kind: str, logits=None, *, copy: bool = True) -> Snapshot:
+        c = self.engine._core.clone_session(core) if copy else core
+        return Snapshot(tuple(c.tokens), c, kind, int(self.engine._core.state_bytes(c)),
+                        None if logits is None else np.array(logits, dtype=np.float32).reshape(-1),
+                        self._tick())
+
+    def _add(self, snap: Snapshot, pinned=()) -> None:
+        for i, s in enumerate(self.snapshots):
+            if s.tokens == snap.tokens:  # one snapshot per token history; keep the one with logits
+                if s.logits is None or snap.logits is not None:
+                    self.snapshots[i] = snap
+                else:
+                    s.last_used = snap.last_used
+                self._evict(pinned)
+                return
+        self.snapshots.append(snap)
+        self._evict(pinned)
+
+    def _evict(self, pinned=()) -> None:
+        while self.snapshot_bytes > self.snapshot_budget and self.snapshots:
+            victims = [s for s in self.snapshots if all(s is not p for p in pinned)]
+            if not victims:
+                return
+            self.snapshots.remove(min(victims, key=lambda s: s.last_used))
+
+    def _plan(self, ids: list[int]) -> _Plan:
+        """The resume point for a prompt: the live state or the snapshot whose tokens are the longest prefix of
+        `ids`, leaving at least one token to feed unless the snapshot kept the logits of the whole prompt."""
+        n = len(ids)
+        live = self._core.tokens
+        best_len, best = -1, None
+        if len(live) < n and _common_prefix(live, ids) == len(live):
+            best_len = len(live)
+        for s in self.snapshots:
+            k = len(s.tokens)
+            usable = k < n or (k == n and s.logits is not None)
+            if usable and k > best_len and _common_prefix(s.tokens, ids) == k:
+                best_len, best = k, s
+        if best is None and best_len >= 0:
+            # Extend the live state in place; a copy taken now restores it if the request fails.
+            backup = self._snapshot_of(self._core, "turn") if len(live) else None
+            return _Plan(self._core, best_len, None, None, backup)
+        if best is None:  # nothing reusable: a fresh state; the live one is untouched until commit
+            return _Plan(self.engine._core.new_session(), 0, None, None, None)
+        best.last_used = self._tick()
+        logits = best.logits if best_len == n else None
+        return _Plan(self.engine._core.clone_session(best.core), best_len, logits, best, None)
+
+    def _commit(self, plan: _Plan) -> None:
+        if plan.core is not self._core:
+            # Switching branch: the old live state stays reachable as a snapshot (no copy: it is not used again).
+            if len(self._core.tokens):
+                self._add(self._snapshot_of(self._core, "turn", copy=False))
+            self._core = plan.core
+        if plan.backup is not None:
+            self._add(plan.backup)
+
+    def _rollback(self, plan: _Plan) -> None:
+        for s in plan.added:
+            if s in self.snapshots:
+                self.snapshots.remove(s)
+        if plan.core is self._core and plan.backup is not None:
+            self._core = plan.backup.core  # the copy taken at the start (the changed state is dropped)
+        elif plan.core is self._core:
+            self._core = self.engine._core.new_session()  # it was empty before the request
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike, *, snapshots: bool = True) -> Path:
+        """Writes the live state (and the snapshots) to one safetensors file with a JSON manifest."""
+        e = self.engine
+        path = Path(path)
+        tensors: list[tuple[str, str, list[int], bytes]] = []
+        entries = []
+        for j, (tag, core, logits, kind) in enumerate(
+                [("live", self._core, None, "live")] +
+                [(f"snap{i}", s.core, s.logits, s.kind) for i, s in enumerate(self.snapshots if snapshots else [])]):
+            for name, dtype, shape, data in e._core.export_session(core):
+                tensors.append((f"{tag}.{name}", dtype, list(shape), data))
+            if logits is not None:
+                tensors.append((f"{tag}.logits", "f32", [int(logits.size)], np.ascontiguousarray(logits, np.float32).tobytes()))
+            entries.append({"tag": tag, "kind": kind, "tokens": [int(t) for t in core.tokens],
+                            "logits": logits is not None})
+        manifest = {"format": FORMAT, "fingerprint": fingerprint(e), "entries": entries,
+                    "crc32": {name: zlib.crc32(data) for name, _, _, data in tensors}}
+        _write_safetensors(path, tensors, {"lily.session": json.dumps(manifest)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, engine: "Engine", **kwargs) -> "Session":
+        """A session saved by save(), for an engine of the same model and backend."""
+        path = Path(path)
+        header, blob = _read_safetensors(path)
+        try:
+            manifest = json.loads(header.get("__metadata__", {})["lily.session"])
+        except (KeyError, TypeError, json.JSONDecodeError):
+            raise SessionFileError(f"{path}: not a lily session file (no lily.session manifest)") from None
+        if manifest.get("format") != FORMAT:
+            raise SessionFileError(f"{path}: session format {manifest.get('format')!r}, this lily reads {FORMAT}")
+        want, got = fingerprint(engine), manifest.get("fingerprint", {})
+        if want != got:
+            diff = [k for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+            detail = "; ".join(f"{k}: file {_short(got.get(k))} vs engine {_short(want.get(k))}" for k in diff[:4])
+            raise SessionFileError(f"{path}: saved for another model or backend ({detail})")
+        crc = manifest.get("crc32", {})
+
+        def tensors_of(tag):
+            out = []
+            for name, meta in header.items():
+                if name == "__metadata__" or not name.startswith(tag + "."):
+                    continue
+                b, e = meta["data_offsets"]
+                data = bytes(blob[b:e])
+                if zlib.crc32(data) != crc.get(name):
+                    raise SessionFileError(f"{path}: tensor {name} is corrupt (CRC-32 mismatch)")
+                out.append((name[len(tag) + 1:], _DTYPE_BACK[meta["dtype"]], list(meta["shape"]), data))
+            return out
+
+        s = cls(engine, **kwargs)
+        for entry in manifest["entries"]:
+            ts = tensors_of(entry["tag"])
+            logits = None
+            if entry.get("logits"):
+                lt = [t for t in ts if t[0] == "logits"]
+                if not lt:
+                    raise SessionFileError(f"{path}: {entry['tag']}.logits is missing")
+                logits = np.frombuffer(lt[0][3], dtype=np.float32).copy()
+                ts = [t for t in ts if t[0] != "logits"]
+            try:
+                core = engine._core.import_session(ts, [int(t) for t in entry["tokens"]])
+            except (ValueError, IndexError, RuntimeError) as err:
+                raise SessionFileError(f"{path}: {entry['tag']}: {err}") from None
+            if entry["tag"] == "live":
+                s._core = core
+            else:
+                s.snapshots.append(Snapshot(tuple(core.tokens), core, entry["kind"],
+                                            int(engine._core.state_bytes(core)), logits, s._tick()))
+        s._evict()
+        return s
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def fingerprint(engine: "Engine") -> dict:
+    """What a saved state depends on: the model config, the weight files (names and sizes) and the backend."""
+    from dataclasses import asdict
+    cfg = asdict(engine.config)
+    cfg.pop("eos_token_id", None)
+    files = [[Path(f).name, os.path.getsize(f)] for f in engine.checkpoint.files]
+    return {"config": hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16],
+            "weights": files, "backend": engine.backend, "vocab_size": engine.config.vocab_size,
+            "layers": engine.config.num_hidden_layers, "hidden_size": engine.config.hidden_size}
+
+
+def _short(v) -> str:
+    s = json.dumps(v, default=str)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+_DTYPE = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
+_DTYPE_BACK = {v: k for k, v in _DTYPE.items()}
+_ITEM = {"F32": 4, "BF16": 2, "F16": 2}
+
+
+def _write_safetensors(path: Path, tensors, metadata: dict) -> None:
+    header, offset = {}, 0
+    for name, dtype, shape, data in tensors:
+        header[name] = {"dtype": _DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    header["__metadata__"] = metadata
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for _, _, _, data in tensors:
+            f.write(data)
+    os.replace(tmp, path)
+
+
+def _read_safetensors(path: Path):
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SessionFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if len(raw) < 8:
+        raise SessionFileError(f"{path}: truncated (no safetensors header)")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > len(raw) - 8:
+        raise SessionFileError(f"{path}: truncated or corrupt (header of {n} bytes in a {len(raw)}-byte file)")
+    try:
+        header = json.loads(raw[8:8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SessionFileError(f"{path}: corrupt safetensors header") from None
+    blob = memoryview(raw)[8 + n:]
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            b, e = meta["data_offsets"]
+            size = int(np.prod(meta["shape"], dtype=np.int64)) * _ITEM[meta["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise SessionFileError(f"{path}: tensor {name} has a malformed header entry") from None
+        if not 0 <= b <= e <= len(blob) or e - b != size:
+            raise SessionFileError(f"{path}: tensor {name} lies outside the file or has the wrong size (truncated?)")
+    return header, blob

@@ -1,0 +1,153 @@
+"""Sessions: each turn prefills only what follows the longest cached prefix, the state equals a fresh prefill,
+regenerate / edit / branch resume from snapshots, save/load across engines, refusal of foreign or corrupt files,
+cancellation and failure leave the session as it was, and the 10-turn saving measured."""
+import numpy as np
+import pytest
+
+import lily
+import tinymodels as tm
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return lily.Engine.from_pretrained("synthetic:tiny")
+
+
+def user(i):
+    return {"role": "user", "content": f"Question {i}: what comes after {i * 7}?"}
+
+
+def chat(engine, turns, session=None, **kw):
+    msgs, outs = [], []
+    for i in range(turns):
+        msgs.append(user(i))
+        c = engine.generate(msgs, max_tokens=12, temperature=0, enable_thinking=False, session=session, **kw)
+        outs.append(c)
+        msgs.append(c.message)
+    return msgs, outs
+
+
+def test_reuse_prefills_only_new_tokens_and_matches_a_fresh_prefill(engine):
+    s = engine.new_session()
+    msgs, outs = chat(engine, 3, s)
+    fresh_msgs, fresh = chat(engine, 3)  # no session: same greedy answers
+    assert [c.token_ids for c in outs] == [c.token_ids for c in fresh]
+    assert outs[0].usage.cached_tokens == 0
+    total = 0
+    for c in outs:
+        assert c.usage.cached_tokens > 0 or c is outs[0]
+        total += c.usage.prompt_tokens - c.usage.cached_tokens
+    assert s.prefilled_tokens == total  # the counter proves only new tokens went through prefill
+    # the live state equals a fresh full prefill of its tokens
+    f = s.fork()
+    nxt = [int(engine.tokenizer.encode("\n")[0])]
+    np.testing.assert_allclose(engine.logits(nxt, f)[0], engine.logits(s.tokens + nxt)[-1], atol=1e-4)
+
+
+def test_regenerate_feeds_nothing(engine):
+    s = engine.new_session()
+    msgs = [user(0)]
+    a = engine.generate(msgs, max_tokens=10, seed=5, session=s)
+    before = s.prefilled_tokens
+    b = engine.generate(msgs, max_tokens=10, seed=5, session=s)
+    assert b.usage.cached_tokens == b.usage.prompt_tokens and s.prefilled_tokens == before
+    assert a.token_ids == b.token_ids  # the prompt snapshot kept the logits: same seed, same answer
+
+
+def test_edit_an_earlier_message_resumes_from_a_snapshot(engine):
+    s = engine.new_session()
+    msgs, _ = chat(engine, 3, s)
+    edited = msgs[:2] + [{"role": "user", "content": "Something else entirely"}]
+    c = engine.generate(edited, max_tokens=12, temperature=0, enable_thinking=False, session=s)
+    want = engine.generate(edited, max_tokens=12, temperature=0, enable_thinking=False)
+    assert c.token_ids == want.token_ids
+    first_turn = engine.tokenizer.apply_chat_template(msgs[:1], add_generation_prompt=False)
+    assert c.usage.cached_tokens >= len(first_turn)  # at least the first turn came from a snapshot
+    # branch back to the original conversation: its end state is a snapshot too
+    back = engine.generate(msgs[:5], max_tokens=12, temperature=0, enable_thinking=False, session=s)
+    assert back.usage.cached_tokens > c.usage.cached_tokens
+
+
+def test_save_load_round_trip_across_engines(engine, tmp_path):
+    s = engine.new_session()
+    msgs, _ = chat(engine, 2, s)
+    path = s.save(tmp_path / "s.lily")
+    e2 = lily.Engine.from_pretrained("synthetic:tiny")
+    s2 = lily.Session.load(path, e2)
+    assert s2.tokens == s.tokens and len(s2.snapshots) == len(s.snapshots)
+    nxt = msgs + [user(9)]
+    a = engine.generate(nxt, max_tokens=12, temperature=0, enable_thinking=False, session=s)
+    b = e2.generate(nxt, max_tokens=12, temperature=0, enable_thinking=False, session=s2)
+    assert a.token_ids == b.token_ids
+    assert b.usage.cached_tokens == a.usage.cached_tokens > 0
+    assert s2.prefilled_tokens == b.usage.prompt_tokens - b.usage.cached_tokens
+
+
+def test_foreign_and_corrupt_files_are_refused(engine, tmp_path):
+    s = engine.new_session()
+    chat(engine, 1, s)
+    path = s.save(tmp_path / "s.lily")
+    other = lily.Engine.from_pretrained(tm.get_model(tm.BASE, "mlx_q4_bf16"))
+    with pytest.raises(lily.SessionFileError, match="another model"):
+        lily.Session.load(path, other)
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF
+    (tmp_path / "flip.lily").write_bytes(bytes(raw))
+    with pytest.raises(lily.SessionFileError, match="corrupt"):
+        lily.Session.load(tmp_path / "flip.lily", engine)
+    (tmp_path / "cut.lily").write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(lily.SessionFileError, match="truncated"):
+        lily.Session.load(tmp_path / "cut.lily", engine)
+    (tmp_path / "junk.lily").write_bytes(b"not a session")
+    with pytest.raises(lily.SessionFileError):
+        lily.Session.load(tmp_path / "junk.lily", engine)
+
+
+@pytest.mark.parametrize("how", ["break", "error"])
+def test_cancelled_or_failed_request_restores_the_session(engine, how, monkeypatch):
+    s = engine.new_session()
+    msgs, _ = chat(engine, 2, s)
+    ref = s.fork()
+    tokens, snaps = list(s.tokens), [x.tokens for x in s.snapshots]
+    nxt = msgs + [user(5)]
+    for cut in (0, 3):  # at the first token, and mid-answer
+        if how == "break":  # the caller stops reading: closing the stream cancels the request
+            it = engine.stream(nxt, max_tokens=12, temperature=0, enable_thinking=False, session=s)
+            for i, _ in enumerate(it):
+                if i == cut:
+                    break
+            it.close()
+        else:  # a failure inside the request, after `cut` tokens
+            from lily import tokenizer
+            calls, push = [0], tokenizer.IncrementalDetokenizer.push
+
+            def failing(self, t):
+                calls[0] += 1
+                if calls[0] > cut:
+                    raise RuntimeError("injected failure")
+                return push(self, t)
+            monkeypatch.setattr(tokenizer.IncrementalDetokenizer, "push", failing)
+            with pytest.raises(RuntimeError, match="injected"):
+                engine.generate(nxt, max_tokens=12, temperature=0, enable_thinking=False, session=s)
+            monkeypatch.undo()
+        assert s.tokens == tokens and [x.tokens for x in s.snapshots] == snaps
+    a = engine.generate(nxt, max_tokens=12, temperature=0, enable_thinking=False, session=s)
+    b = engine.generate(nxt, max_tokens=12, temperature=0, enable_thinking=False, session=ref)
+    assert a.token_ids == b.token_ids
+    f1, f2 = s.fork(), ref.fork()
+    np.testing.assert_allclose(engine.logits([5], f1), engine.logits([5], f2), atol=1e-6)
+
+
+def test_ten_turn_conversation_saving(engine):
+    s = engine.new_session()
+    msgs, outs = [], []
+    for i in range(10):
+        msgs.append(user(i))
+        outs.append(engine.generate(msgs, max_tokens=24, temperature=0.7, seed=i, session=s))
+        msgs.append(outs[-1].message)
+    without = sum(c.usage.prompt_tokens for c in outs)
+    with_sessions = s.prefilled_tokens
+    print(f"10-turn conversation: prefill tokens with a session {with_sessions}, re-prefilling each turn {without} "
+          f"({100 * (1 - with_sessions / without):.0f}% saved); snapshots {len(s.snapshots)}, "
+          f"{s.snapshot_bytes / 1e6:.1f} MB")
+    assert with_sessions < 0.5 * without
