@@ -1,14 +1,16 @@
 // common: the small per-row kernels around the layers. embed dequantises rows of the embedding E [V, H]
 // (MLX affine q4/q8, groups of 64, bf16 scales/biases; or bf16) into the residual stream x f32 [T, H]: a
-// threadgroup owns LILY_EMBED_THREADS x 16 columns of one token row, a thread 16 consecutive columns read
-// with one wide load. rmsnorm turns in f32 [T, n] into bf16 [T, n] with fp32 math: a threadgroup owns one
+// threadgroup owns LILY_EMBED_THREADS x 16 columns of one token row, a thread 16 consecutive columns (read
+// through metal/quant.h, at any alignment). rmsnorm turns in f32 [T, n] into bf16 [T, n] with fp32 math: a threadgroup owns one
 // row, its simdgroups reduce the sum of squares with simd_sum and meet once in threadgroup memory. argmax
 // selects the greedy token from logits f32 [V] into an int32 token slot (the next decode step's input, so
 // the token never visits the CPU): one threadgroup strides over the vocabulary, each simdgroup reduces
 // (value, index) with simd_max / simd_min (ties -> the lowest index, as numpy), then the simdgroups meet.
-// Previous hop: csrc/backends/metal/common.cpp (encode_embed, encode_rmsnorm, encode_argmax).
+// copy_rows moves rows of 16-byte words between device buffers (KV cache growth, without a CPU wait).
+// Previous hop: csrc/backends/metal/common.cpp (encode_embed, encode_rmsnorm, encode_argmax, encode_copy_rows).
 #include <metal_stdlib>
 #include "lily_args.h"
+#include "quant.h"
 
 using namespace metal;
 
@@ -38,24 +40,12 @@ kernel void embed(constant EmbedArgs& args [[buffer(0)]],
   }
   device const uchar* row = w + ulong(id) * args.w_row_bytes;
   float v[LILY_EMBED_VALUES];
-  if (FMT == LILY_W_BF16) {
-    device const bfloat* wr = (device const bfloat*)row + c;
-    for (int j = 0; j < n; ++j) v[j] = float(wr[j]);
+  if (FMT == LILY_W_BF16 && n < LILY_EMBED_VALUES) {
+    for (int j = 0; j < n; ++j) v[j] = lily_load_bf16(row + 2 * (c + j));
   } else {
-    const int g = c / LILY_QGROUP;
-    const float s = float(((device const bfloat*)((device const uchar*)scales + ulong(id) * args.s_row_bytes))[g]);
-    const float b = float(((device const bfloat*)((device const uchar*)biases + ulong(id) * args.s_row_bytes))[g]);
-    if (FMT == LILY_W_Q4) {
-      const uint2 q = *(device const uint2*)(row + c / 2);
-      for (int j = 0; j < 8; ++j) {
-        v[j] = s * float((q.x >> (4 * j)) & 0xFu) + b;
-        v[8 + j] = s * float((q.y >> (4 * j)) & 0xFu) + b;
-      }
-    } else {
-      const uint4 q = *(device const uint4*)(row + c);
-      for (int k = 0; k < 4; ++k)
-        for (int j = 0; j < 4; ++j) v[4 * k + j] = s * float((q[k] >> (8 * j)) & 0xFFu) + b;
-    }
+    // E may start at any byte address (metal/quant.h): byte loads, assembled in registers.
+    lily_dequant<FMT, LILY_EMBED_VALUES>(row, (device const uchar*)scales + ulong(id) * args.s_row_bytes,
+                                         (device const uchar*)biases + ulong(id) * args.s_row_bytes, c, v);
   }
   for (int j = 0; j < n; ++j) xr[j] = v[j];
 }
@@ -143,6 +133,19 @@ kernel void argmax_f32(constant ArgmaxArgs& args [[buffer(0)]],
     mi = simd_min(v == m ? i : none);
     if (lane == 0) token[0] = mi;
   }
+}
+
+// ---------------------------------------------------------------- copy_rows
+
+// Threadgroup (x, r) moves 16-byte words [256 x, 256 x + 256) of row r.
+kernel void copy_rows(constant CopyArgs& args [[buffer(0)]],
+                      device const uint4* src [[buffer(LILY_COPY_SRC)]],
+                      device uint4* dst [[buffer(LILY_COPY_DST)]],
+                      uint2 tg [[threadgroup_position_in_grid]],
+                      uint tid [[thread_index_in_threadgroup]]) {
+  const ulong i = ulong(tg.x) * LILY_COPY_THREADS + tid;
+  if (i >= args.row_bytes / 16) return;
+  dst[ulong(tg.y) * (args.dst_stride / 16) + i] = src[ulong(tg.y) * (args.src_stride / 16) + i];
 }
 
 // ---------------------------------------------------------------- instantiations (metal/kernels.def, common)

@@ -24,7 +24,7 @@ enum LilyWeightFormat : lily_i32 { LILY_W_Q4 = 0, LILY_W_Q8 = 1, LILY_W_BF16 = 2
 LILY_CONSTANT lily_i32 LILY_SIMD_WIDTH = 32;
 LILY_CONSTANT lily_i32 LILY_QGROUP = 64;  // quantisation group size of every quantised Qwen3.6 checkpoint
 
-// ---- family: common (embed, rmsnorm, sample) ----
+// ---- family: common (embed, rmsnorm, sample, copy) ----
 // embed: x f32 [T, H] <- dequantised rows E[tokens[t]] of E [V, H] (q4/q8 groups of 64, or bf16).
 enum LilyEmbedSlot : lily_i32 {
   LILY_EMBED_W = 1, LILY_EMBED_SCALES = 2, LILY_EMBED_BIASES = 3, LILY_EMBED_TOKENS = 4, LILY_EMBED_X = 5
@@ -55,6 +55,17 @@ struct ArgmaxArgs {
   lily_i32 pad;
 };
 LILY_CONSTANT lily_i32 LILY_ARGMAX_THREADS = 1024;
+
+// copy_rows: dst[r, :row_bytes] <- src[r, :row_bytes] for r < rows, rows at byte strides src_stride /
+// dst_stride (KV cache growth: one row per KV head, [0, pos) of the old capacity into the new one). Buffers
+// the backend allocated, so 16-byte aligned; row_bytes and both strides multiples of 16. A thread moves 16 bytes.
+enum LilyCopySlot : lily_i32 { LILY_COPY_SRC = 1, LILY_COPY_DST = 2 };
+struct CopyArgs {
+  lily_i32 rows;
+  lily_i32 pad;
+  lily_u64 row_bytes, src_stride, dst_stride;
+};
+LILY_CONSTANT lily_i32 LILY_COPY_THREADS = 256;
 // ---- end common ----
 
 // ---- family: qgemv / qgemm (dense projections) ----

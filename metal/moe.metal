@@ -18,6 +18,7 @@
 // Previous hop: csrc/backends/metal/moe.cpp (encode_moe_route, encode_moe_prefill, encode_moe_decode).
 #include <metal_stdlib>
 #include "lily_args.h"
+#include "quant.h"
 
 using namespace metal;
 
@@ -27,36 +28,13 @@ using namespace metal;
 inline device const uchar* moe_wrow(device const uchar* w, constant MoeMatrixStrides& st, int e, int r) {
   return w + ulong(e) * st.w_expert_bytes + ulong(r) * st.w_row_bytes;
 }
-inline device const bfloat* moe_srow(device const bfloat* s, constant MoeMatrixStrides& st, int e, int r) {
-  return (device const bfloat*)((device const uchar*)s + ulong(e) * st.s_expert_bytes + ulong(r) * st.s_row_bytes);
+// Scales / biases of row r of expert e, as a byte address: they may sit at any alignment (metal/quant.h).
+inline device const uchar* moe_srow(device const bfloat* s, constant MoeMatrixStrides& st, int e, int r) {
+  return (device const uchar*)s + ulong(e) * st.s_expert_bytes + ulong(r) * st.s_row_bytes;
 }
 
-// Dequantises the 8 weights [c, c + 8) of one row (c a multiple of 8, so they share one quant group):
-// FMT = LILY_W_Q4 (one uint32 of 8 codes), LILY_W_Q8 (two uint32 of 4 codes), LILY_W_BF16 (8 bf16).
-template <int FMT>
-inline void moe_dequant8(device const uchar* wrow, device const bfloat* srow, device const bfloat* brow, int c,
-                         thread float* out) {
-  if (FMT == LILY_W_BF16) {
-    device const bfloat* p = (device const bfloat*)wrow + c;
-    for (int i = 0; i < 8; ++i) out[i] = float(p[i]);
-    return;
-  }
-  const float s = float(srow[c / LILY_QGROUP]);
-  const float b = float(brow[c / LILY_QGROUP]);
-  if (FMT == LILY_W_Q4) {
-    const uint q = ((device const uint*)wrow)[c / 8];
-    for (int i = 0; i < 8; ++i) out[i] = s * float((q >> (4 * i)) & 0xFu) + b;
-  } else {
-    const uint2 q = ((device const uint2*)wrow)[c / 8];
-    for (int i = 0; i < 4; ++i) {
-      out[i] = s * float((q.x >> (8 * i)) & 0xFFu) + b;
-      out[4 + i] = s * float((q.y >> (8 * i)) & 0xFFu) + b;
-    }
-  }
-}
-
-// Values one lane dequantises per step of a GEMV: one 16-byte load of codes (32 q4, 16 q8 or 8 bf16 values),
-// inside one quant group since K is a multiple of 64.
+// Values one lane dequantises per step of a GEMV: 16 bytes of codes (32 q4, 16 q8 or 8 bf16 values), inside
+// one quant group since K is a multiple of 64.
 template <int FMT>
 constexpr int moe_lane_values() {
   return FMT == LILY_W_Q4 ? 32 : FMT == LILY_W_Q8 ? 16 : 8;
@@ -64,31 +42,17 @@ constexpr int moe_lane_values() {
 
 // One simdgroup's dot product of a weight row with a bf16 vector of K elements (K a multiple of 64): lane l
 // takes chunks l, l + 32, ... of moe_lane_values<FMT>() elements, 16 bytes each, so a simdgroup streams
-// 512 contiguous bytes of the row per step. The result is in every lane. The 16 bytes are read as four 32-bit
-// words, not one uint4: checkpoints written by MLX do not pad their safetensors header, so a tensor (and so a
-// weight row) may start at any byte offset of the mapped file, and a uint4 load assumes 16-byte alignment
-// (under the emulator it compiles to an aligned SSE load, which faults). moe_dequant8 reads words likewise.
+// 512 contiguous bytes of the row per step. The result is in every lane. Weights go through metal/quant.h:
+// checkpoints written by MLX do not pad their safetensors header, so a row may start at any byte address.
 template <int FMT>
-inline float moe_row_dot(device const uchar* wrow, device const bfloat* srow, device const bfloat* brow,
+inline float moe_row_dot(device const uchar* wrow, device const uchar* srow, device const uchar* brow,
                          device const bfloat* x, int K, uint lane) {
   constexpr int V = moe_lane_values<FMT>();
   float acc = 0.0f;
   for (int c = int(lane) * V; c < K; c += V * LILY_SIMD_WIDTH) {
-    if (FMT == LILY_W_BF16) {
-      device const bfloat* w = (device const bfloat*)wrow + c;
-      for (int i = 0; i < 8; ++i) acc += float(w[i]) * float(x[c + i]);
-      continue;
-    }
-    device const uint* q = (device const uint*)(wrow + (FMT == LILY_W_Q4 ? c / 2 : c));
-    const float s = float(srow[c / LILY_QGROUP]);
-    const float b = float(brow[c / LILY_QGROUP]);
-    constexpr int per_word = FMT == LILY_W_Q4 ? 8 : 4;
-    constexpr int bits = FMT == LILY_W_Q4 ? 4 : 8;
-    for (int wd = 0; wd < 4; ++wd)
-      for (int i = 0; i < per_word; ++i) {
-        const float w = s * float((q[wd] >> (bits * i)) & ((1u << bits) - 1u)) + b;
-        acc += w * float(x[c + wd * per_word + i]);
-      }
+    float w[V];
+    lily_dequant<FMT, V>(wrow, srow, brow, c, w);
+    for (int i = 0; i < V; ++i) acc += w[i] * float(x[c + i]);
   }
   return simd_sum(acc);
 }
@@ -115,13 +79,13 @@ kernel void moe_route_logits(constant MoeRouteArgs& args [[buffer(0)]],
   if (r >= args.rows) return;  // uniform per simdgroup; no threadgroup barrier follows
   const int nt = min(LILY_MOE_ROUTE_TOKENS, args.T - t0);
   device const uchar* wr = moe_wrow(w, args.W, 0, r);
-  device const bfloat* sr = moe_srow(scales, args.W, 0, r);
-  device const bfloat* br = moe_srow(biases, args.W, 0, r);
+  device const uchar* sr = moe_srow(scales, args.W, 0, r);
+  device const uchar* br = moe_srow(biases, args.W, 0, r);
   float acc[LILY_MOE_ROUTE_TOKENS];
   for (int t = 0; t < LILY_MOE_ROUTE_TOKENS; ++t) acc[t] = 0.0f;
   for (int c = int(lane) * 8; c < args.cols; c += 8 * LILY_SIMD_WIDTH) {
     float wv[8];
-    moe_dequant8<FMT>(wr, sr, br, c, wv);
+    lily_dequant<FMT, 8>(wr, sr, br, c, wv);
     for (int t = 0; t < nt; ++t) {
       device const bfloat* xr = x + long(t0 + t) * args.cols + c;
       for (int i = 0; i < 8; ++i) acc[t] += wv[i] * float(xr[i]);
@@ -310,7 +274,7 @@ inline void moe_load_w_tile(threadgroup bfloat* tile, device const uchar* w, dev
     const int n = u / CHUNKS, c = (u % CHUNKS) * 8;
     float v[8];
     if (n0 + n < N) {
-      moe_dequant8<FMT>(moe_wrow(w, st, e, n0 + n), moe_srow(s, st, e, n0 + n), moe_srow(b, st, e, n0 + n), k0 + c, v);
+      lily_dequant<FMT, 8>(moe_wrow(w, st, e, n0 + n), moe_srow(s, st, e, n0 + n), moe_srow(b, st, e, n0 + n), k0 + c, v);
     } else {
       for (int i = 0; i < 8; ++i) v[i] = 0.0f;
     }

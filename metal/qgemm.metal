@@ -11,6 +11,7 @@
 // Previous hop: csrc/backends/metal/dense.cpp (encode_project with T > 1).
 #include <metal_stdlib>
 #include "lily_args.h"
+#include "quant.h"
 
 using namespace metal;
 
@@ -45,7 +46,7 @@ kernel void qgemm(constant DenseArgs& args [[buffer(0)]],
   const int m0 = int(tg.y) * BM;  // first token of the tile
   const int cols = args.cols;
   // Loader mapping: 128 threads x 16 values = one 32 x 64 tile; thread -> tile row lr, columns [lc, lc + 16)
-  // (inside one group: one scale and bias; one wide load per thread).
+  // (inside one group: one scale and bias).
   const int lr = int(tid) / 4, lc = (int(tid) % 4) * 16;
   // Simdgroup (sm, sn) owns tokens [16 sm, 16 sm + 16) x rows [16 sn, 16 sn + 16) of the tile.
   const int sm = int(sg) / 2, sn = int(sg) % 2;
@@ -76,31 +77,13 @@ kernel void qgemm(constant DenseArgs& args [[buffer(0)]],
       for (int j = 0; j < 16; ++j) wd[j] = bfloat(0.0f);
     } else {
       device const uchar* wr = w + ulong(row) * args.w_row_bytes;
-      if (FMT == LILY_W_BF16) {
-        device const bfloat* wb = (device const bfloat*)wr + c;
-        if (whole && (args.w_row_bytes & 7) == 0) {
-          for (int k = 0; k < 4; ++k) {
-            const bfloat4 v = ((device const bfloat4*)wb)[k];
-            for (int j = 0; j < 4; ++j) wd[4 * k + j] = v[j];
-          }
-        } else {
-          for (int j = 0; j < 16; ++j) wd[j] = c + j < cols ? wb[j] : bfloat(0.0f);
-        }
+      // W may start at any byte address (metal/quant.h): its values are read as bytes.
+      if (FMT == LILY_W_BF16 && !whole) {
+        for (int j = 0; j < 16; ++j) wd[j] = c + j < cols ? bfloat(lily_load_bf16(wr + 2 * (c + j))) : bfloat(0.0f);
       } else {
-        const ulong g = ulong(row) * args.s_row_bytes + ulong(c / LILY_QGROUP) * 2;
-        const float s = float(*(device const bfloat*)(scales + g));
-        const float b = float(*(device const bfloat*)(biases + g));
-        if (FMT == LILY_W_Q4) {
-          const uint2 q = *(device const uint2*)(wr + c / 2);
-          for (int j = 0; j < 8; ++j) {
-            wd[j] = bfloat(s * float((q.x >> (4 * j)) & 0xFu) + b);
-            wd[8 + j] = bfloat(s * float((q.y >> (4 * j)) & 0xFu) + b);
-          }
-        } else {
-          const uint4 q = *(device const uint4*)(wr + c);
-          for (int k = 0; k < 4; ++k)
-            for (int j = 0; j < 4; ++j) wd[4 * k + j] = bfloat(s * float((q[k] >> (8 * j)) & 0xFFu) + b);
-        }
+        float v[16];
+        lily_dequant<FMT, 16>(wr, scales + ulong(row) * args.s_row_bytes, biases + ulong(row) * args.s_row_bytes, c, v);
+        for (int j = 0; j < 16; ++j) wd[j] = bfloat(v[j]);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -3,14 +3,15 @@
 // in bf16 [cols], out bf16 or f32 [rows] (or added into the f32 residual). Decode reuses no weight, so
 // the kernel is bound by the bytes of W it reads, and reads each exactly once: a simdgroup owns
 // LILY_QGEMV_ROWS output rows and sweeps them together, each lane taking LILY_QGEMV_VALUES = 16 consecutive
-// columns per step (one 8-byte q4, 16-byte q8 or 32-byte bf16 load per row, so the 32 lanes read one
-// contiguous run of the row), with the activations loaded once per step and reused across its rows;
+// columns per step (8 q4, 16 q8 or 32 bf16 bytes per row, read through metal/quant.h at any alignment, so the
+// 32 lanes read one contiguous run of the row), with the activations loaded once per step and reused across its rows;
 // simd_sum combines the lanes. A threadgroup holds LILY_QGEMV_SIMDGROUPS independent simdgroups.
 // The 16 columns of a lane lie in one quantisation group, so a group's contribution is
 // scale * sum(q * x) + bias * sum(x), with sum(x) shared by all rows (MLX's qmv factorisation).
 // Previous hop: csrc/backends/metal/dense.cpp (encode_project with T == 1).
 #include <metal_stdlib>
 #include "lily_args.h"
+#include "quant.h"
 
 using namespace metal;
 
@@ -66,36 +67,20 @@ kernel void qgemv(constant DenseArgs& args [[buffer(0)]],
       const int row = r0 + r;
       if (row >= args.rows) break;
       device const uchar* wr = w + ulong(row) * args.w_row_bytes;
+      // W may start at any byte address (metal/quant.h): its values are read as bytes.
+      float wv[NV];
+      if (whole) {
+        lily_weights_raw<FMT, NV>(wr, c, wv);
+      } else {  // the partial last chunk of a bf16 row
+        for (int j = 0; j < NV; ++j) wv[j] = c + j < cols ? lily_load_bf16(wr + 2 * (c + j)) : 0.0f;
+      }
       float d = 0.0f;
+      for (int j = 0; j < NV; ++j) d += wv[j] * x[j];
       if (FMT == LILY_W_BF16) {
-        if (whole) {
-          device const bfloat4* w4 = (device const bfloat4*)((device const bfloat*)wr + c);
-          for (int k = 0; k < NV / 4; ++k) {
-            const bfloat4 wv = w4[k];
-            const float4 v = float4(wv);
-            for (int j = 0; j < 4; ++j) d += v[j] * x[4 * k + j];
-          }
-        } else {
-          device const bfloat* ws = (device const bfloat*)wr + c;
-          for (int j = 0; j < NV && c + j < cols; ++j) d += float(ws[j]) * x[j];
-        }
         acc[r] += d;
       } else {
-        if (FMT == LILY_W_Q4) {
-          const uint2 q = *(device const uint2*)(wr + c / 2);
-          for (int j = 0; j < 8; ++j) {
-            d += float((q.x >> (4 * j)) & 0xFu) * x[j];
-            d += float((q.y >> (4 * j)) & 0xFu) * x[8 + j];
-          }
-        } else {
-          const uint4 q = *(device const uint4*)(wr + c);
-          for (int k = 0; k < 4; ++k)
-            for (int j = 0; j < 4; ++j) d += float((q[k] >> (8 * j)) & 0xFFu) * x[4 * k + j];
-        }
-        const ulong g = ulong(row) * args.s_row_bytes + ulong(c / LILY_QGROUP) * 2;
-        const float s = float(*(device const bfloat*)(scales + g));
-        const float b = float(*(device const bfloat*)(biases + g));
-        acc[r] += s * d + b * xsum;
+        const float2 sb = lily_scale_bias(scales + ulong(row) * args.s_row_bytes, biases + ulong(row) * args.s_row_bytes, c);
+        acc[r] += sb.x * d + sb.y * xsum;
       }
     }
   }

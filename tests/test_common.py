@@ -27,6 +27,18 @@ def test_embed(order, bits, H):
     assert r["counters"]["dispatches"] == 1
 
 
+# A table of an MLX checkpoint may start at any byte of the mapped file (metal/quant.h).
+@pytest.mark.parametrize("skew", [1, 2, 3, 4, 8, 13])
+@pytest.mark.parametrize("bits,H", [(4, 128), (8, 320), (0, 64), (0, 40)])
+def test_embed_unaligned_weights(skew, bits, H):
+    rng = np.random.default_rng(300 + bits + H + skew)
+    V = 37
+    w, s, b, E = random_matrix(rng, V, H, bits)
+    tokens = np.array([0, V - 1, 5, 17], np.int32)
+    r = kernels.embed(w, s, b, bits, V, H, tokens, weight_skew=skew)
+    np.testing.assert_array_equal(r["x"], ref.embed(E, tokens))
+
+
 def test_embed_out_of_range_ids_give_zero_rows():
     rng = np.random.default_rng(7)
     w, s, b, E = random_matrix(rng, 8, 64, 4)

@@ -13,7 +13,7 @@ DEF = ROOT / "metal" / "kernels.def"
 NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 # Host-name prefixes each family's rows may use (STYLE.md: <family>_<variant>_<dtype>[_<param><value>]).
 PREFIXES = {
-    "common": ("embed_", "rmsnorm_", "argmax_", "sample_"),
+    "common": ("embed_", "rmsnorm_", "argmax_", "sample_", "copy_"),
     "dense": ("qgemv_", "qgemm_"),
     "moe": ("moe_",),
     "gdn": ("gdn_",),

@@ -3,7 +3,7 @@ tiny models of tests/tinymodels.py: logits of a prefill and of decode steps no f
 than transformers in bf16 is from transformers in fp32 on the same weights; greedy tokens identical on a
 peaked model; prefill chunking and splitting invariance; the device counters of a decode step.
 
-The MLX 4-bit model is the case the unaligned-tensor fix covers: mlx writes safetensors without padding the
+The MLX 4-bit models are the case the unaligned-tensor fix covers: mlx writes safetensors without padding the
 header, so its tensors start at odd file offsets (decode's MoE GEMV once faulted there). All engines but the
 counters test run with count_bytes=False: the emulator's byte counting makes a run several times slower.
 """
@@ -21,13 +21,10 @@ DECODE = 10
 
 # (geometry, kind, kind of the transformers model with the same effective weights)
 CASES = [
-    # Open: metal-emu's error is ~0.01-0.02 per position (under bf16's) except spikes of 0.23 and 0.30 at prefill
-    # positions 23 and 26 (a routing top-k flip?), which put its mean KL at 1.9e-3 against bf16's 4.5e-4.
-    pytest.param(tm.BASE, "mlx_q4_bf16", "hf_twin_mlx_q4_bf16",
-                 marks=pytest.mark.xfail(reason="undiagnosed error spikes at two prefill positions", strict=False)),
     (tm.GVA4_HD128, "hf_bf16", "hf_bf16"),
     (tm.INTERVAL2, "mlx_q4_bf16", "hf_twin_mlx_q4_bf16"),
 ]
+# BASE/mlx_q4_bf16 holds MoE routing near-ties: test_logits_within_bf16_noise_up_to_routing_ties.
 
 _ENGINES: dict = {}
 
@@ -85,8 +82,8 @@ def test_logits_within_bf16_noise(geom, kind, twin, ids, ref_logits):
 
 def test_greedy_matches_reference(ids):
     prompt, _ = ids
-    want = engine(tm.PEAKED, "mlx_q4_bf16", "reference").generate(prompt, max_tokens=16).token_ids
-    got = engine(tm.PEAKED, "mlx_q4_bf16", "metal-emu").generate(prompt, max_tokens=16).token_ids
+    want = engine(tm.PEAKED, "mlx_q4_bf16", "reference").generate(prompt, max_tokens=16, temperature=0).token_ids
+    got = engine(tm.PEAKED, "mlx_q4_bf16", "metal-emu").generate(prompt, max_tokens=16, temperature=0).token_ids
     assert len(want) == 16, want  # no early stop: every step compared
     assert got == want
 
@@ -144,7 +141,7 @@ def test_greedy_token_stays_on_the_device(ids):
     e = engine(tm.PEAKED, "mlx_q4_bf16", "metal-emu")
     steps = 6
     before = e.counters()
-    out = e.generate(prompt, max_tokens=steps + 1)
+    out = e.generate(prompt, max_tokens=steps + 1, temperature=0)
     assert len(out.token_ids) == steps + 1
     c = e.counters()
     done = {p: c[p]["total"]["kernels"] for p in ("prefill", "decode")}
@@ -158,3 +155,129 @@ def test_greedy_token_stays_on_the_device(ids):
     assert dec["cpu_waits"] - prev.get("cpu_waits", 0) == steps
     assert dec["kernels"]["argmax_f32"] - prev.get("kernels", {}).get("argmax_f32", 0) == steps
     assert c["decode"]["last"]["kernels"]["argmax_f32"] == 1 and c["decode"]["last"]["cpu_waits"] == 1
+
+
+# ---------------------------------------------------------------- routing near-ties
+
+# A top-k choice is a near-tie when the reference's k-th and (k+1)-th router logits are closer than this
+# fraction of the router-logit perturbation that bf16 activations cause in that layer (the median over
+# positions of max_e |logit_bf16 - logit_fp32|, transformers on the same weights): which of the two experts a
+# bf16 path selects is then a coin toss, and either choice is a correct evaluation of the model.
+TIE_FRACTION = 0.25
+
+
+def hf_forward(model, ids, k, flips=()):
+    """(logits [T, V], router logits [L, T, E]) of one transformers prefill over ids; at each (layer, position)
+    of `flips` the router takes the (k+1)-th expert instead of the k-th (weights renormalised over the new set),
+    i.e. resolves that near-tie the other way."""
+    import torch
+    rec, hooks = {}, []
+    for i, layer in enumerate(model.model.language_model.layers):
+        def hook(_m, _inp, out, i=i):
+            logits, scores, idx = out
+            rec[i] = logits.detach().float().numpy()
+            mine = [t for (l, t) in flips if l == i]
+            if not mine:
+                return None
+            probs = torch.softmax(logits.float(), dim=-1)
+            order = torch.argsort(probs, dim=-1, descending=True, stable=True)
+            idx, scores = idx.clone(), scores.clone()
+            for t in mine:
+                sel = torch.cat([order[t, :k - 1], order[t, k:k + 1]])
+                idx[t] = sel
+                scores[t] = (probs[t, sel] / probs[t, sel].sum()).to(scores.dtype)
+            return logits, scores, idx
+        hooks.append(layer.mlp.gate.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, np.stack([rec[i] for i in range(len(rec))])
+
+
+def test_logits_within_bf16_noise_up_to_routing_ties(ids, ref_logits):
+    """BASE/mlx_q4_bf16: metal-emu against the fp32 reference exceeds the bf16 noise floor (mean KL 1.9e-3
+    against transformers bf16's 4.5e-4; per-position relative error 0.23 and 0.30 at prefill positions 23 and
+    26) only because of MoE routing near-ties. In layer 1 the reference's 4th and 5th router logits differ by
+    1.0e-3, 2.7e-3 and 2.7e-3 at positions 12, 23 and 37, against a bf16 router-logit perturbation of 2.5e-2
+    there, and the bf16 path selects the 5th expert (found by dumping both backends' routing ids; forcing the
+    reference's ids at those rows brings the KL to 2e-4). The swapped expert at 23 reaches 24 and 26 through the
+    GDN state and attention of later layers and flips routing there too. So: find the near-ties of the fp32
+    model, resolve each the way that brings it closest to metal-emu, and require metal-emu to sit within bf16
+    noise of THAT fp32 evaluation (prefill and decode rows separately), which otherwise equals the reference."""
+    import torch
+    geom, kind, twin = tm.BASE, "mlx_q4_bf16", "hf_twin_mlx_q4_bf16"
+    prompt, decode_ids = ids
+    seq = list(prompt) + list(decode_ids)
+    ref = np.concatenate(run(engine(geom, kind, "reference"), prompt, decode_ids))
+    emu = np.concatenate(run(engine(geom, kind, "metal-emu"), prompt, decode_ids))
+    hf32 = np.concatenate(ref_logits(geom, twin, prompt, decode_ids))
+    hf16 = np.concatenate(ref_logits(geom, twin, prompt, decode_ids, dtype=torch.bfloat16))
+    path = tm.get_model(geom, twin)
+    m32, m16 = tm._hf_load(path, torch.float32), tm._hf_load(path, torch.bfloat16)
+    k = geom.top_k
+
+    base, r32 = hf_forward(m32, seq, k)
+    _, r16 = hf_forward(m16, seq, k)
+    assert stats(base, ref)[1] < 1e-4  # the one-pass fp32 twin is the reference backend's model
+    top = -np.sort(-r32, axis=2)
+    margin = top[..., k - 1] - top[..., k]                      # [L, T]
+    noise = np.median(np.abs(r16 - r32).max(axis=2), axis=1)   # [L] bf16 router-logit perturbation
+    ties = [(l, t) for l in range(margin.shape[0]) for t in range(len(seq))
+            if margin[l, t] < TIE_FRACTION * noise[l]]
+    assert 0 < len(ties) <= 8, ties  # a handful of rows; more would make the search below meaningless
+
+    # The deviation is real against the reference as it resolves the ties ...
+    kl_hf = stats(hf16, hf32)[0]
+    assert stats(emu, ref)[0] > 2 * kl_hf, "metal-emu now resolves every near-tie as the reference: move " \
+        "BASE/mlx_q4_bf16 back to CASES"
+    # ... and disappears when the ties are resolved like metal-emu (greedy, in causal order).
+    flips, want = [], base
+    for tie in sorted(ties, key=lambda lt: (lt[1], lt[0])):
+        cand = hf_forward(m32, seq, k, flips + [tie])[0]
+        if tm.mean_kl(cand, emu) < tm.mean_kl(want, emu):
+            flips, want = flips + [tie], cand
+    assert flips, ties
+    for l, t in flips:  # every flip it took is a near-tie, by construction; print the evidence
+        print(f"near-tie layer {l} position {t}: margin {margin[l, t]:.2e}, bf16 router noise {noise[l]:.2e}")
+    kl_emu, rel_emu = stats(emu, want)
+    kl_hf, rel_hf = stats(hf16, hf32)
+    print(f"metal-emu vs reference {stats(emu, ref)}; vs tie-resolved fp32 KL {kl_emu:.3e} rel {rel_emu:.3e}; "
+          f"bf16 vs fp32 KL {kl_hf:.3e} rel {rel_hf:.3e}")
+    for rows in (slice(0, PREFILL), slice(PREFILL, None)):
+        kr, rr = stats(emu[rows], want[rows])
+        kh, rh = stats(hf16[rows], hf32[rows])
+        assert kr <= kh and rr <= rh, (rows, kr, kh, rr, rh)
+    assert kl_emu <= kl_hf and rel_emu <= rel_hf
+
+
+# ---------------------------------------------------------------- KV cache growth
+
+def test_kv_growth_keeps_the_cache_on_the_device():
+    """The KV cache grows in blocks of 256 rows (at least doubling). Growth keeps every cached row (a prompt fed as
+    250 + 50 tokens, crossing 256, gives the logits of the same 300 tokens fed in one chunk, which never grows)
+    and costs no CPU wait: the rows move by copy_rows dispatches at the head of the next command buffer. generate()
+    prefills in chunks without reading anything between them, so its one CPU wait is for the first token."""
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(0, tm.N_BPE, 300)]
+    e = engine(tm.BASE, "mlx_q4_bf16", "metal-emu")
+    whole = e.logits(prompt, e.new_session())
+    s = e.new_session()
+    e.logits(prompt[:250], s)
+    before = e.counters()["prefill"]["total"]
+    grown = e.logits(prompt[250:], s)
+    after = e.counters()["prefill"]["total"]
+    assert after["kernels"].get("copy_rows", 0) - before["kernels"].get("copy_rows", 0) == 2, after["kernels"]  # K and V of the one attention layer
+    assert after["cpu_waits"] - before["cpu_waits"] == 1  # the logits read
+    scale = np.abs(whole).max()
+    np.testing.assert_allclose(grown, whole[250:], rtol=0, atol=2e-2 * scale)
+    assert stats(grown, whole[250:])[1] < 5e-3
+
+    chunked = engine(tm.BASE, "mlx_q4_bf16", "metal-emu", prefill_chunk=128)  # chunks end at 128, 256, 300
+    before = chunked.counters().get("prefill", {}).get("total", {})
+    chunked.generate(prompt, max_tokens=1)
+    after = chunked.counters()["prefill"]["total"]
+    assert after["cpu_waits"] - before.get("cpu_waits", 0) == 1
+    assert after["kernels"].get("copy_rows", 0) - before.get("kernels", {}).get("copy_rows", 0) == 2

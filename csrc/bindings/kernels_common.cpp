@@ -3,6 +3,7 @@
 // Previous hop: tests/test_common.py; next hop: encode_embed / encode_rmsnorm / encode_argmax.
 #include "kernels.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -13,9 +14,17 @@ namespace lily::metal {
 
 // A DeviceMatrix over uploaded weights: w is the stored bytes [rows, row bytes] (q4/q8 codes as uint32 words,
 // or bf16), scales/biases bf16 [rows, cols / 64] (bits 4 or 8) or empty (bits 0 = bf16). Used by the dense
-// family's entry points too.
+// family's entry points too. skew: each array starts this many bytes into its buffer, as a tensor may in a
+// file written by MLX (metal/quant.h), so odd values test unaligned weight reads.
+template <class T>
+static Buffer* upload_at(KernelRun& run, const HostArray<T>& a, uint64_t skew, const char* label) {
+  Buffer* b = run.alloc(skew + a.nbytes(), Role::weights, label, 0);
+  std::memcpy(static_cast<uint8_t*>(b->contents()) + skew, a.data(), a.nbytes());
+  return b;
+}
+
 DeviceMatrix upload_matrix(KernelRun& run, const HostArray<uint8_t>& w, const HostArray<uint16_t>& scales,
-                           const HostArray<uint16_t>& biases, int bits, int rows, int cols) {
+                           const HostArray<uint16_t>& biases, int bits, int rows, int cols, uint64_t skew) {
   DeviceMatrix M;
   M.format = bits == 4 ? LILY_W_Q4 : bits == 8 ? LILY_W_Q8 : LILY_W_BF16;
   if (bits != 0 && bits != 4 && bits != 8) throw std::invalid_argument("[kernels] bits must be 0, 4 or 8");
@@ -25,7 +34,8 @@ DeviceMatrix upload_matrix(KernelRun& run, const HostArray<uint8_t>& w, const Ho
                                 std::to_string(row_bytes * rows));
   M.rows = rows;
   M.cols = cols;
-  M.w = run.upload(w, Role::weights, "w");
+  M.w = upload_at(run, w, skew, "w");
+  M.w_offset = skew;
   M.w_row_bytes = row_bytes;
   M.matrix_bytes = w.nbytes();
   if (bits) {
@@ -33,8 +43,9 @@ DeviceMatrix upload_matrix(KernelRun& run, const HostArray<uint8_t>& w, const Ho
     const uint64_t s_row = uint64_t(cols / 64) * 2;
     if (scales.nbytes() != s_row * rows || biases.nbytes() != s_row * rows)
       throw std::invalid_argument("[kernels] scales/biases must be bf16 [rows, cols / 64]");
-    M.scales = run.upload(scales, Role::weights, "scales");
-    M.biases = run.upload(biases, Role::weights, "biases");
+    M.scales = upload_at(run, scales, skew, "scales");
+    M.biases = upload_at(run, biases, skew, "biases");
+    M.s_offset = M.b_offset = skew;
     M.s_row_bytes = s_row;
     M.matrix_bytes += scales.nbytes() + biases.nbytes();
   }
@@ -47,9 +58,9 @@ void init_kernels_common(nb::module_& k) {
   k.def(
       "embed",
       [](const HostArray<uint8_t>& w, const HostArray<uint16_t>& scales, const HostArray<uint16_t>& biases, int bits,
-         int V, int H, const HostArray<int32_t>& tokens, int order, uint64_t seed) {
+         int V, int H, const HostArray<int32_t>& tokens, int order, uint64_t seed, uint64_t weight_skew) {
         KernelRun run(order, seed);
-        const DeviceMatrix E = upload_matrix(run, w, scales, biases, bits, V, H);
+        const DeviceMatrix E = upload_matrix(run, w, scales, biases, bits, V, H, weight_skew);
         const int T = int(tokens.shape(0));
         Buffer* tok = run.upload(tokens, Role::io, "tokens");
         Buffer* x = run.alloc(uint64_t(T) * H * 4, Role::activations, "x");
@@ -60,9 +71,10 @@ void init_kernels_common(nb::module_& k) {
         return d;
       },
       nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("V"), nb::arg("H"),
-      nb::arg("tokens"), nb::arg("order") = 0, nb::arg("seed") = 0,
+      nb::arg("tokens"), nb::arg("order") = 0, nb::arg("seed") = 0, nb::arg("weight_skew") = 0,
       "x f32 [T, H] = rows tokens of E [V, H] (w: stored bytes as uint8; scales/biases bf16 as uint16, empty for "
-      "bits = 0). Returns {'x', 'counters'}.");
+      "bits = 0). weight_skew: bytes before every weight array in its buffer (unaligned tensors, as MLX writes "
+      "them). Returns {'x', 'counters'}.");
   k.def(
       "rmsnorm",
       [](const HostArray<float>& x, const HostArray<float>& w, float eps, int order, uint64_t seed) {

@@ -10,7 +10,8 @@ using namespace lily::metal;
 
 namespace lily::metal {
 DeviceMatrix upload_matrix(KernelRun& run, const HostArray<uint8_t>& w, const HostArray<uint16_t>& scales,
-                           const HostArray<uint16_t>& biases, int bits, int rows, int cols);  // kernels_common.cpp
+                           const HostArray<uint16_t>& biases, int bits, int rows, int cols,
+                           uint64_t skew);  // kernels_common.cpp
 }
 
 void init_kernels_dense(nb::module_& k) {
@@ -18,10 +19,10 @@ void init_kernels_dense(nb::module_& k) {
       "project",
       [](const HostArray<uint8_t>& w, const HostArray<uint16_t>& scales, const HostArray<uint16_t>& biases, int bits,
          int rows, int cols, const HostArray<uint16_t>& x, int mode, const HostArray<float>& residual, int order,
-         uint64_t seed) {
+         uint64_t seed, uint64_t weight_skew) {
         if (mode < 0 || mode > 2) throw std::invalid_argument("[kernels] mode: 0 bf16, 1 f32, 2 f32 add");
         KernelRun run(order, seed);
-        const DeviceMatrix W = upload_matrix(run, w, scales, biases, bits, rows, cols);
+        const DeviceMatrix W = upload_matrix(run, w, scales, biases, bits, rows, cols, weight_skew);
         const int T = int(x.shape(0));
         if (int(x.shape(1)) != cols) throw std::invalid_argument("[kernels] x must be bf16 [T, cols]");
         Buffer* in = run.upload(x, Role::activations, "in");
@@ -46,7 +47,9 @@ void init_kernels_dense(nb::module_& k) {
       },
       nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("rows"), nb::arg("cols"),
       nb::arg("x"), nb::arg("mode"), nb::arg("residual"), nb::arg("order") = 0, nb::arg("seed") = 0,
+      nb::arg("weight_skew") = 0,
       "out [T, rows] (op)= x bf16 [T, cols] . W^T through encode_project. mode 0: bf16 out (uint16), 1: f32 "
-      "out, 2: added into `residual` f32 [T, rows] (ignored otherwise). Returns {'out', 'matrix_bytes', "
+      "out, 2: added into `residual` f32 [T, rows] (ignored otherwise). weight_skew: bytes before every weight "
+      "array in its buffer (unaligned tensors, as MLX writes them). Returns {'out', 'matrix_bytes', "
       "'counters'}.");
 }

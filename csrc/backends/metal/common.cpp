@@ -9,7 +9,7 @@
 
 namespace lily::metal {
 
-static_assert(sizeof(EmbedArgs) == 32 && sizeof(RmsNormArgs) == 16 && sizeof(ArgmaxArgs) == 8);
+static_assert(sizeof(EmbedArgs) == 32 && sizeof(RmsNormArgs) == 16 && sizeof(ArgmaxArgs) == 8 && sizeof(CopyArgs) == 32);
 
 void encode_embed(Encoder& enc, const DeviceMatrix& E, View tokens, View x, int T) {
   if (T <= 0) return;
@@ -58,6 +58,22 @@ void encode_argmax(Encoder& enc, View logits, int V, View token_slot) {
   enc.dispatch(KernelId::argmax_f32, Grid{1, 1, 1}, Grid{uint32_t(threads), 1, 1}, args,
                {{LILY_ARGMAX_LOGITS, logits.buffer, logits.offset, Access::read, uint64_t(V) * 4},
                 {LILY_ARGMAX_TOKEN, token_slot.buffer, token_slot.offset, Access::write, 4}});
+}
+
+void encode_copy_rows(Encoder& enc, View src, View dst, int rows, uint64_t row_bytes, uint64_t src_stride,
+                      uint64_t dst_stride) {
+  if (rows <= 0 || row_bytes == 0) return;
+  if ((row_bytes | src_stride | dst_stride | src.offset | dst.offset) % 16 != 0 || row_bytes > src_stride ||
+      row_bytes > dst_stride)
+    throw std::invalid_argument("[copy_rows] row_bytes " + std::to_string(row_bytes) + ", strides " +
+                                std::to_string(src_stride) + " / " + std::to_string(dst_stride) +
+                                ": multiples of 16, strides at least row_bytes");
+  const CopyArgs args{.rows = rows, .pad = 0, .row_bytes = row_bytes, .src_stride = src_stride, .dst_stride = dst_stride};
+  const uint64_t words = row_bytes / 16;
+  const Grid groups{uint32_t((words + LILY_COPY_THREADS - 1) / LILY_COPY_THREADS), uint32_t(rows), 1};
+  enc.dispatch(KernelId::copy_rows, groups, Grid{uint32_t(LILY_COPY_THREADS), 1, 1}, args,
+               {{LILY_COPY_SRC, src.buffer, src.offset, Access::read, uint64_t(rows - 1) * src_stride + row_bytes},
+                {LILY_COPY_DST, dst.buffer, dst.offset, Access::write, uint64_t(rows - 1) * dst_stride + row_bytes}});
 }
 
 }  // namespace lily::metal

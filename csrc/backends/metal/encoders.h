@@ -61,6 +61,10 @@ void encode_embed(Encoder& enc, const DeviceMatrix& E, View tokens, View x, int 
 void encode_rmsnorm(Encoder& enc, View in, const DeviceVec& w, View out, int T, int n, float eps);
 // token_slot ← argmax(logits[0, :V])   (greedy selection on the device, into the next step's input slot)
 void encode_argmax(Encoder& enc, View logits, int V, View token_slot);
+// dst[r, :row_bytes] ← src[r, :row_bytes] for r < rows at byte strides (KV cache growth on the device; row_bytes,
+// strides and offsets multiples of 16).
+void encode_copy_rows(Encoder& enc, View src, View dst, int rows, uint64_t row_bytes, uint64_t src_stride,
+                      uint64_t dst_stride);
 
 // ---------------------------------------------------------------- dense (metal/qgemv.metal, metal/qgemm.metal)
 enum class OutMode : uint8_t { bf16, f32, f32_add };  // store bf16 / store f32 / add into f32 (residual)

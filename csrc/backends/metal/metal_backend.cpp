@@ -28,6 +28,10 @@ struct MetalState final : State {
   // attention layers: K and V [n_kv, capacity, d] bf16 (Role::kv); GDN layers: conv and recurrent state f32
   // (Role::state). Null where the layer is the other kind.
   std::vector<std::shared_ptr<Buffer>> k, v, conv, rec;
+  // KV growth recorded by reserve() and encoded at the head of the next command buffer: copy the rows
+  // [0, rows) of every KV head from `from` (capacity from_cap) into `to` (the new buffer, already in k / v).
+  struct Growth { std::shared_ptr<Buffer> from; Buffer* to; int64_t from_cap, to_cap, rows; };
+  std::vector<Growth> growth;
 };
 
 class MetalBackendImpl final : public MetalBackend {
@@ -36,6 +40,14 @@ class MetalBackendImpl final : public MetalBackend {
       : m_(m), c_(m.config()), dev_(std::move(device)), rows_(max_rows) {
     if (max_rows <= 0) throw std::invalid_argument("[metal] max_rows must be positive");
     // The weights: each mapped file becomes one buffer, without copying where the platform allows.
+    // Alignment decision: a tensor of an MLX-written file may start at any byte (mlx does not pad the
+    // safetensors header), so its rows have 1-byte alignment only. We neither refuse such files (they are the
+    // published checkpoints) nor copy-align them at load (a second copy of ~20 GB of weights, or a rewrite of
+    // the files): the mapping's base is page-aligned (what newBufferWithBytesNoCopy needs), a matrix is bound
+    // at its tensor's byte offset into a `device const uchar*` argument (legal at any offset), and every
+    // kernel reads weights through metal/quant.h, which assumes 1-byte alignment (byte loads assembled in
+    // registers). If a Mac measurement shows the byte loads cost decode bandwidth, the cheaper fix is at
+    // conversion time (`lily convert` padding tensors to 16 bytes) plus an aligned variant, not a load-time copy.
     for (const auto& f : m.files()) files_.push_back(dev_->wrap(f->data(), f->size(), Role::weights, f->path()));
     embed_ = matrix(m.embed);
     lm_head_ = matrix(m.lm_head);
@@ -105,31 +117,61 @@ class MetalBackendImpl final : public MetalBackend {
     return s;
   }
 
-  // Grows every attention layer's K/V to hold `tokens` rows, keeping rows [0, pos) of each KV head. The copy
-  // goes through the CPU view of the buffers (unified memory), after the GPU is done with them.
+  // Grows every attention layer's K/V to hold `tokens` rows, keeping rows [0, pos) of each KV head. No CPU
+  // wait: the new buffers are allocated now (zeroed through the CPU view; nothing on the GPU uses them yet) and
+  // the copies are copy_rows dispatches at the head of the next command buffer (begin()), ordered after
+  // the command buffer in flight, which may still write the old buffers (kept alive until then).
   void reserve(State& st, int64_t tokens) override {
     auto& s = static_cast<MetalState&>(st);
     if (tokens <= s.capacity) return;
     const int64_t cap = std::max((tokens + kKvBlock - 1) / kKvBlock * kKvBlock, 2 * s.capacity);
     const uint64_t d2 = uint64_t(c_.head_dim) * 2;
-    finish();
     for (int i = 0; i < c_.layers; ++i) {
       if (!c_.is_attention(i)) continue;
       for (auto* cache : {&s.k[i], &s.v[i]}) {
         auto grown = zeroed(uint64_t(c_.n_kv) * cap * d2, Role::kv, "kv." + std::to_string(i));
-        if (*cache && s.pos > 0)
-          for (int h = 0; h < c_.n_kv; ++h)
-            std::memcpy(static_cast<uint8_t*>(grown->contents()) + uint64_t(h) * cap * d2,
-                        static_cast<const uint8_t*>((*cache)->contents()) + uint64_t(h) * s.capacity * d2,
-                        uint64_t(s.pos) * d2);
+        if (*cache && s.pos > 0) {
+          // A growth still pending (two reserves before a begin) copies from its own source.
+          auto pending = std::find_if(s.growth.begin(), s.growth.end(), [&](const auto& g) { return g.to == cache->get(); });
+          if (pending != s.growth.end()) {
+            pending->to = grown.get(), pending->to_cap = cap;
+          } else {
+            s.growth.push_back({*cache, grown.get(), s.capacity, cap, s.pos});
+          }
+        }
         *cache = std::move(grown);
       }
     }
     s.capacity = cap;
   }
 
+  // Encodes the pending growth copies of s (reserve()) into enc.
+  void encode_growth(Encoder& e, MetalState& s) {
+    const uint64_t d2 = uint64_t(c_.head_dim) * 2;
+    for (const auto& g : s.growth)
+      encode_copy_rows(e, {g.from.get()}, {g.to}, c_.n_kv, uint64_t(g.rows) * d2, uint64_t(g.from_cap) * d2,
+                       uint64_t(g.to_cap) * d2);
+    for (auto& g : s.growth) retired_recording_.push_back(std::move(g.from));  // alive until its command buffer is done
+    s.growth.clear();
+  }
+  // For CPU reads of a state outside the schedule (clone_state): run its pending copies now.
+  void flush_growth(MetalState& s) {
+    if (s.growth.empty()) return;
+    if (cb_) throw std::logic_error("[metal] state read while a command buffer is being recorded");
+    finish();
+    auto cb = dev_->command_buffer();
+    encode_growth(cb->encoder(), s);
+    cb->commit();
+    cb->wait();
+    retired_recording_.clear();
+    const Counters now = dev_->counters();
+    total_[int(phase_)].add(now.since(prev_));
+    prev_ = now;
+  }
+
   std::unique_ptr<State> clone_state(const State& st) override {
     const auto& s = static_cast<const MetalState&>(st);
+    flush_growth(const_cast<MetalState&>(s));
     finish();
     auto c = std::make_unique<MetalState>();
     c->pos = s.pos, c->capacity = s.capacity;
@@ -156,12 +198,15 @@ class MetalBackendImpl final : public MetalBackend {
     enc_ = &cb_->encoder();
     decode_ = false;
     slot_ ^= 1;  // the other token slot: the previous step's may still be read by the GPU
+    if (s_) encode_growth(*enc_, *s_);
   }
 
   void commit() override {
     if (!cb_) throw std::logic_error("[metal] commit() without begin()");
     cb_->commit();
     inflight_ = std::move(cb_);
+    for (auto& b : retired_recording_) retired_inflight_.push_back(std::move(b));
+    retired_recording_.clear();
     enc_ = nullptr;
     phase_ = decode_ ? Phase::decode : Phase::prefill;
     account(false);
@@ -328,6 +373,7 @@ class MetalBackendImpl final : public MetalBackend {
     if (!inflight_) return;
     inflight_->wait();
     inflight_.reset();
+    retired_inflight_.clear();
     account(true);
   }
   void account(bool add_to_last) {
@@ -359,6 +405,9 @@ class MetalBackendImpl final : public MetalBackend {
   int64_t width_[int(Act::count)] = {};
   std::shared_ptr<Buffer> act_[int(Act::count)];
   std::shared_ptr<Buffer> route_ids_, route_w_, tokens_[2];
+  // Old KV buffers that growth copies read: of the command buffer being recorded / of those committed (Metal
+  // retains what a command buffer binds too; the emulator runs a command buffer at commit).
+  std::vector<std::shared_ptr<Buffer>> retired_recording_, retired_inflight_;
   int slot_ = 0, logit_rows_ = 0, logit_capacity_ = 0;
   MetalState* s_ = nullptr;
   std::unique_ptr<CommandBuffer> cb_, inflight_;
