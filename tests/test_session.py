@@ -151,3 +151,22 @@ def test_ten_turn_conversation_saving(engine):
           f"({100 * (1 - with_sessions / without):.0f}% saved); snapshots {len(s.snapshots)}, "
           f"{s.snapshot_bytes / 1e6:.1f} MB")
     assert with_sessions < 0.5 * without
+
+
+def test_metal_session_survives_a_restart(tmp_path):
+    """The Metal backend's state (bf16 KV cache, f32 conv/recurrent state) saves and loads through the same
+    session file; a fresh engine continues exactly where the saved one would have, without re-prefilling, and
+    a file saved by another backend is refused (its fingerprint names the backend)."""
+    kw = dict(max_tokens=10, temperature=0, enable_thinking=False)
+    e = lily.Engine.from_pretrained("synthetic:tiny", backend="metal-emu", count_bytes=False)
+    s = e.new_session()
+    msgs, _ = chat(e, 2, s)
+    path = s.save(tmp_path / "m.lily")
+    e2 = lily.Engine.from_pretrained("synthetic:tiny", backend="metal-emu", count_bytes=False)
+    s2 = lily.Session.load(path, e2)
+    nxt = msgs + [user(5)]
+    a = e.generate(nxt, session=s, **kw)
+    b = e2.generate(nxt, session=s2, **kw)
+    assert a.token_ids == b.token_ids and b.usage.cached_tokens == a.usage.cached_tokens > 0
+    with pytest.raises(lily.SessionFileError):
+        lily.Session.load(path, lily.Engine.from_pretrained("synthetic:tiny"))

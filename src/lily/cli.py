@@ -1,4 +1,4 @@
-"""`lily` command line: generate, chat, synth, convert. Each subcommand's --help shows examples."""
+"""`lily` command line: generate, chat, synth, convert, bench, eval, serve. Each subcommand's --help shows examples."""
 from __future__ import annotations
 
 import argparse
@@ -242,6 +242,11 @@ Each turn prefills only what follows the cached conversation; thinking is shown 
     c.add_argument("out")
     c.add_argument("--bits", type=int, choices=[4, 8], default=4)
     c.set_defaults(func=cmd_convert)
+    from .bench import add_bench_parser
+    from .evaluate import add_eval_parser
+
+    add_bench_parser(sub)
+    add_eval_parser(sub)
     return p
 
 

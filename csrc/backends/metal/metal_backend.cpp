@@ -11,6 +11,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -189,6 +190,73 @@ class MetalBackendImpl final : public MetalBackend {
   }
 
   void bind(State* s) override { s_ = static_cast<MetalState*>(s); }
+
+  // Session files: the state's buffers through their CPU view (unified memory) once the GPU is done. KV in
+  // the device's bf16 [n_kv, rows in use, d]; conv and recurrent state f32, as the reference backend names them.
+  std::vector<StateTensor> export_state(const State& st) override {
+    auto& s = const_cast<MetalState&>(static_cast<const MetalState&>(st));
+    flush_growth(s);
+    finish();
+    std::vector<StateTensor> out;
+    const uint64_t row = uint64_t(c_.head_dim) * 2;
+    for (int i = 0; i < c_.layers; ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      if (c_.is_attention(i)) {
+        for (auto [nm, buf] : {std::pair{"k", s.k[i].get()}, std::pair{"v", s.v[i].get()}}) {
+          StateTensor t{p + nm, "bf16", {c_.n_kv, s.pos, c_.head_dim}, std::vector<uint8_t>(uint64_t(c_.n_kv) * s.pos * row)};
+          for (int h = 0; h < c_.n_kv && s.pos; ++h)
+            std::memcpy(t.data.data() + uint64_t(h) * s.pos * row,
+                        static_cast<const uint8_t*>(buf->contents()) + uint64_t(h) * s.capacity * row, uint64_t(s.pos) * row);
+          out.push_back(std::move(t));
+        }
+      } else {
+        for (auto [nm, buf, shape] : {std::tuple{"conv", s.conv[i].get(), std::vector<int64_t>{c_.conv_kernel - 1, c_.conv_dim()}},
+                                      std::tuple{"rec", s.rec[i].get(), std::vector<int64_t>{c_.lin_nv, c_.lin_dk, c_.lin_dv}}}) {
+          StateTensor t{p + nm, "f32", shape, std::vector<uint8_t>(buf->size)};
+          std::memcpy(t.data.data(), buf->contents(), buf->size);
+          out.push_back(std::move(t));
+        }
+      }
+    }
+    return out;
+  }
+
+  void import_state(State& st, int64_t pos, const std::vector<StateTensor>& tensors) override {
+    auto& s = static_cast<MetalState&>(st);
+    if (pos < 0) throw std::invalid_argument("[metal] import_state: negative position");
+    auto find = [&](const std::string& name, const char* dtype, std::vector<int64_t> shape, uint64_t bytes) -> const StateTensor& {
+      for (const auto& t : tensors)
+        if (t.name == name) {
+          if (t.dtype != dtype || t.shape != shape || t.data.size() != bytes)
+            throw std::invalid_argument("[metal] state tensor '" + name + "' has the wrong dtype, shape or size (expected " +
+                                        dtype + ")");
+          return t;
+        }
+      throw std::invalid_argument("[metal] state tensor '" + name + "' is missing");
+    };
+    finish();
+    s.pos = 0;  // nothing to keep: the growth below copies no rows
+    reserve(s, std::max<int64_t>(pos, 1));
+    const uint64_t row = uint64_t(c_.head_dim) * 2;
+    for (int i = 0; i < c_.layers; ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      if (c_.is_attention(i)) {
+        for (auto [nm, buf] : {std::pair{"k", s.k[i].get()}, std::pair{"v", s.v[i].get()}}) {
+          const auto& t = find(p + nm, "bf16", {c_.n_kv, pos, c_.head_dim}, uint64_t(c_.n_kv) * pos * row);
+          for (int h = 0; h < c_.n_kv && pos; ++h)
+            std::memcpy(static_cast<uint8_t*>(buf->contents()) + uint64_t(h) * s.capacity * row,
+                        t.data.data() + uint64_t(h) * pos * row, uint64_t(pos) * row);
+        }
+      } else {
+        const auto& cv = find(p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, s.conv[i]->size);
+        const auto& rc = find(p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, s.rec[i]->size);
+        std::memcpy(s.conv[i]->contents(), cv.data.data(), cv.data.size());
+        std::memcpy(s.rec[i]->contents(), rc.data.data(), rc.data.size());
+      }
+    }
+    s.pos = pos;
+  }
+
 
   // ---------------------------------------------------------------- submission
 

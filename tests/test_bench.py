@@ -1,0 +1,124 @@
+"""`lily bench` harness on tiny models: it runs, alternates the engines, writes valid JSON and a PNG, skips
+lengths over the limits, names missing optional packages. Time figures are never asserted."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+import tinymodels as tm
+import lily
+from lily import bench
+
+TOP_KEYS = {"lily_version", "created", "model", "backend", "engines", "engine_info", "machine", "settings",
+            "prefill", "decode", "ratio_mean", "memory", "skipped", "order"}
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="lily")
+    bench.add_bench_parser(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def _check_entry(e, names, tokens_key):
+    for n in names:
+        assert e[n]["tok_s"] > 0 and e[n]["median_s"] > 0
+        assert len(e[n]["seconds"]) >= 1
+    assert tokens_key in e
+
+
+def test_parse_lengths_and_round_order():
+    assert bench.parse_lengths("256,1k,4K, 128k") == [256, 1024, 4096, 131072]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.parse_lengths("12x")
+    assert len(bench.DEFAULT_LENGTHS) == 10 and bench.DEFAULT_LENGTHS[0] == 256 and bench.DEFAULT_LENGTHS[-1] == 131072
+    names = ["lily", "mlx-lm"]
+    seq = [n for r in range(4) for n in bench.round_order(r, names)]
+    assert seq == ["lily", "mlx-lm", "mlx-lm", "lily", "lily", "mlx-lm", "mlx-lm", "lily"]
+
+
+def test_bench_vs_mlx_alternates_and_writes_json_and_png(tmp_path):
+    pytest.importorskip("mlx_lm")
+    pytest.importorskip("matplotlib")
+    q4 = tm.get_model(tm.BASE, "mlx_q4_bf16")
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    args = _parser().parse_args(["bench", "--model", str(q4), "--lengths", "16,32", "--contexts", "16",
+                                 "--decode-tokens", "3", "--repeats", "3", "--vs", "mlx-lm", "--quiet",
+                                 "--json", str(out_json), "--plot", str(out_png)])
+    assert args.func(args) == 0
+    res = json.loads(out_json.read_text())
+    assert TOP_KEYS <= set(res)
+    assert res["engines"] == ["lily", "mlx-lm"]
+    assert [e["length"] for e in res["prefill"]] == [16, 32]
+    assert [e["context"] for e in res["decode"]] == [16]
+    for e in res["prefill"]:
+        _check_entry(e, res["engines"], "length")
+        assert len(e["lily"]["seconds"]) == 3 and e["ratio"] > 0
+    for e in res["decode"]:
+        _check_entry(e, res["engines"], "context")
+        assert e["tokens"] == 3 and e["lily"]["ms_per_token"] > 0 and e["ratio"] > 0
+    assert set(res["ratio_mean"]) == {"prefill", "decode"}
+    # alternating order within each length: lily, mlx-lm, mlx-lm, lily, lily, mlx-lm
+    timed = [o for o in res["order"] if not o.get("warmup")]
+    for phase, n in [("prefill", 16), ("prefill", 32), ("decode", 16)]:
+        seq = [o["engine"] for o in timed if o["phase"] == phase and o["length"] == n]
+        assert seq == ["lily", "mlx-lm", "mlx-lm", "lily", "lily", "mlx-lm"], (phase, n, seq)
+    warm = [o for o in res["order"] if o.get("warmup")]
+    assert {o["engine"] for o in warm} == {"lily", "mlx-lm"}
+    assert res["order"].index(warm[-1]) < res["order"].index(timed[0])  # warm-up comes first
+    assert res["memory"]["peak_rss_mb"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_lily_only_table_and_caps(capsys):
+    e = lily.Engine.from_pretrained("synthetic:tiny", max_context=64)
+    res = bench.run_bench(e, lengths=[8, 100], contexts=[16, 62], decode_tokens=4, repeats=2, progress=False,
+                          log=lambda m: None)
+    assert res["engines"] == ["lily"] and res["ratio_mean"] is None
+    assert [x["length"] for x in res["prefill"]] == [8]
+    assert [x["context"] for x in res["decode"]] == [16]  # 62 + 4 decode steps > 64
+    assert {(s["phase"], s["length"]) for s in res["skipped"]} == {("prefill", 100), ("decode", 62)}
+    text = bench.format_table(res)
+    assert "prefill" in text and "decode" in text and "skipped" in text
+    json.dumps(res)  # serialisable
+    # the memory estimate caps lengths too
+    e = lily.Engine.from_pretrained("synthetic:tiny")
+    budget = int(bench.estimate_bytes(e.config, 16, 1, False) / bench.MEMORY_FRACTION) + 1
+    res = bench.run_bench(e, lengths=[8, 600], contexts=[8], decode_tokens=1, repeats=1, warmup=0, progress=False,
+                          memory_limit=budget, log=lambda m: None)
+    assert [x["length"] for x in res["prefill"]] == [8]
+    assert any("estimated" in s["reason"] for s in res["skipped"])
+
+
+def test_bench_counters_metal_emu():
+    e = lily.Engine.from_pretrained("synthetic:tiny", backend="metal-emu", count_bytes=True)
+    res = bench.run_bench(e, lengths=[8], contexts=[8], decode_tokens=2, repeats=1, warmup=0, counters=True,
+                          progress=False)
+    c = res["counters"]
+    assert set(c) == {"prefill", "decode"}
+    for phase, key in (("prefill", "8"), ("decode", "8")):
+        run, last = c[phase][key]["run"], c[phase][key]["last"]
+        for k in ("dispatches", "stages", "cpu_waits", "bytes_read", "kernels"):
+            assert k in last and k in run
+        assert run["dispatches"] >= last["dispatches"] > 0
+        assert run["bytes_read"]["weights"] > 0
+    json.dumps(res)
+
+
+def test_bench_reference_backend_has_no_counters():
+    e = lily.Engine.from_pretrained("synthetic:tiny")
+    res = bench.run_bench(e, lengths=[8], contexts=[8], decode_tokens=1, repeats=1, warmup=0, counters=True,
+                          progress=False)
+    assert res["counters"] is None
+
+
+def test_missing_optional_packages_are_named(monkeypatch, tmp_path):
+    res = {"engines": ["lily"], "prefill": [], "decode": [], "backend": "reference", "model": "x"}
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="matplotlib"):
+        bench.write_plot(res, tmp_path / "x.png")
+    monkeypatch.setitem(sys.modules, "mlx_lm.generate", None)
+    with pytest.raises(ImportError, match="pip install mlx-lm"):
+        bench.MlxRunner(tmp_path)
