@@ -244,9 +244,11 @@ Each turn prefills only what follows the cached conversation; thinking is shown 
     c.set_defaults(func=cmd_convert)
     from .bench import add_bench_parser
     from .evaluate import add_eval_parser
+    from .server import add_serve_parser
 
     add_bench_parser(sub)
     add_eval_parser(sub)
+    add_serve_parser(sub)
     return p
 
 
