@@ -2,11 +2,17 @@
 decode step through the first layers of a full-size checkpoint, against the minimum bytes.
 
     python benchmarks/metal_counters.py [--model synthetic:full] [--layers 4] [--chunk 32] [--json out.json]
+                                        [--options '{"fuse_route": false}'] [--ablations]
 
 The emulator is far too slow for all 40 layers, so the model is cut to its first `--layers` layers (by a
 config override in a temporary directory whose shards are symlinks: nothing is copied) — with the default
 4 that is three Gated DeltaNet layers and one attention layer, i.e. one layer of each kind plus the MoE of
 each, the embedding row and the full lm_head. Per-layer figures scale to 40 layers by the 30:10 pattern.
+
+Extrapolation to the whole model (--layers 4 = one 3 GDN + 1 attention pattern of Qwen3.6's 40 layers): the
+decode step's per-step overhead (embed, the final norm + lm_head, the on-device argmax of a generation step) is
+known from the schedule; the rest is one pattern, ×10. --ablations repeats the decode counters with each
+MetalOptions switch off (csrc/backends/metal/metal_backend.h), side by side.
 
 Minimum decode bytes: every weight byte the token needs, once (each dense matrix, the router, the k selected
 experts' three matrices and the shared expert, one embedding row, lm_head), the recurrent and conv state
@@ -72,18 +78,62 @@ def minimum_decode_bytes(ck, context: int) -> dict:
             "kv_read": attn * 2 * kv_row * (context + 1), "kv_written": attn * 2 * kv_row}
 
 
+BANDWIDTHS = {"M5 Max": 614e9, "M4 Max": 546e9, "M5 Pro": 307e9}
+# Each switch of MetalOptions turned to its ablation (the defaults are all on).
+ABLATIONS = {
+    "all on": {},
+    "fuse_norm_project off": {"fuse_norm_project": False},
+    "fuse_route off": {"fuse_route": False},
+    "fuse_attn_prepare off": {"fuse_attn_prepare": False},
+    "gqa_pack off": {"gqa_pack": False},
+    "attn_path split": {"attn_path": 2},
+    "gpu_routing off (CPU wait)": {"gpu_routing": False},
+    "moe_tile_rows 16": {"moe_tile_rows": 16},
+    "all fusions off": {"fuse_norm_project": False, "fuse_route": False, "fuse_attn_prepare": False},
+}
+
+
+def extrapolate(dec: dict, layer_types: list, options: dict, total_layers: int = 40) -> dict:
+    """Dispatches / stages of one greedy generation step of the whole model from a decode step of the cut.
+    The cut's step = embed + layers + lm_head (1 dispatch fused with its norm, else rmsnorm + qgemv); a
+    generation step adds the on-device argmax (one more dispatch and stage)."""
+    patterns = len(layer_types) / 4  # 3 GDN + 1 attention each
+    lm = 1 if options.get("fuse_norm_project", True) else 2
+    out = {}
+    for key in ("dispatches", "stages"):
+        overhead = 1 + lm
+        per_pattern = (dec[key] - overhead) / patterns
+        out[key] = round(overhead + 1 + per_pattern * total_layers / 4)
+        out[key + "_per_layer"] = per_pattern / 4
+    return out
+
+
+def decode_counters(src: Path, layers: int, chunk: int, options: dict) -> tuple:
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = read_checkpoint(truncated_model(src, layers, Path(tmp)))
+        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=chunk, count_bytes=True, metal_options=options)
+        rng = np.random.default_rng(0)
+        s = e.new_session()
+        e.prefill(rng.integers(0, 1000, size=chunk), s)
+        e.prefill([int(rng.integers(0, 1000))], s)
+        return e.counters()["decode"]["last"], ck.config.layer_types
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:full")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk rows")
     ap.add_argument("--json")
+    ap.add_argument("--options", default="{}", help="MetalOptions as JSON (lily.Engine metal_options)")
+    ap.add_argument("--ablations", action="store_true", help="also the decode counters with each switch off")
     args = ap.parse_args()
+    options = json.loads(args.options)
     src = resolve(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         d = truncated_model(src, args.layers, Path(tmp))
         ck = read_checkpoint(d)
-        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=args.chunk, count_bytes=True)
+        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=args.chunk, count_bytes=True, metal_options=options)
         rng = np.random.default_rng(0)
         s = e.new_session()
         t0 = time.perf_counter()
@@ -95,7 +145,8 @@ def main() -> None:
         out = {"model": args.model, "layers": ck.config.layer_types, "chunk": args.chunk,
                "emulated_seconds": {"prefill": t1 - t0, "decode": t2 - t1},
                "prefill": c["prefill"]["last"], "decode": c["decode"]["last"],
-               "min_decode_bytes": minimum_decode_bytes(ck, context=args.chunk)}
+               "options": options, "min_decode_bytes": minimum_decode_bytes(ck, context=args.chunk)}
+        out["decode_40_layers"] = extrapolate(out["decode"], ck.config.layer_types, options)
     dec, mn = out["decode"], out["min_decode_bytes"]
     out["decode_weight_bytes_over_minimum"] = dec["bytes_read"]["weights"] / mn["weights"]
     for phase in ("prefill", "decode"):
@@ -104,6 +155,22 @@ def main() -> None:
               + ", ".join(f"{r} {p['bytes_read'][r] / 1e6:.2f}/{p['bytes_written'][r] / 1e6:.2f} MB r/w" for r in ROLES))
     print("decode minimum: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in mn.items()))
     print(f"decode weight bytes / minimum: {out['decode_weight_bytes_over_minimum']:.3f}")
+    x = out["decode_40_layers"]
+    print(f"40-layer generation step (extrapolated): {x['dispatches']} dispatches, {x['stages']} stages "
+          f"({x['dispatches_per_layer']:.2f} / {x['stages_per_layer']:.2f} per layer), "
+          f"{dec['cpu_waits_in_step']} CPU waits inside the step")
+    if args.ablations:
+        out["ablations"] = {}
+        print(f"{'ablation':30s} {'disp':>5s} {'stages':>6s} {'40L disp':>8s} {'40L stg':>7s} {'waits':>5s} "
+              f"{'weights MB':>10s} {'kv MB':>6s} {'state MB':>8s} {'act MB r/w':>11s}")
+        for name, opts in ABLATIONS.items():
+            d, types = decode_counters(src, args.layers, args.chunk, {**options, **opts})
+            x = extrapolate(d, types, {**options, **opts})
+            out["ablations"][name] = {"options": opts, "decode": d, "decode_40_layers": x}
+            r, w = d["bytes_read"], d["bytes_written"]
+            print(f"{name:30s} {d['dispatches']:5d} {d['stages']:6d} {x['dispatches']:8d} {x['stages']:7d} "
+                  f"{d['cpu_waits_in_step']:5d} {r['weights'] / 1e6:10.2f} {r['kv'] / 1e6:6.2f} "
+                  f"{r['state'] / 1e6:8.2f} {r['activations'] / 1e6:5.2f}/{w['activations'] / 1e6:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -87,21 +87,61 @@ using namespace metal;
 }
 
 // ------------------------------------------------------------------------------------------- attention
+// The q/k preparation of attn_prepare for one head row of D values, by one simdgroup (the fused decode
+// variants): RMSNorm (1 + w) in fp32, partial half-split RoPE at `position`, rounded to bf16 like the cache
+// and the query scratch would hold it; lane's dims lane + 32·i land in y[i]. x: D floats of threadgroup scratch.
+template <int D>
+inline void attn_norm_rope(device const bfloat* src, device const float* w, threadgroup float* x, int rotary_dim,
+                           float rope_theta, float eps, float position, uint lane, thread float* y) {
+  float ss = 0.0f;
+  for (int e = int(lane); e < D; e += 32) {
+    const float xe = float(src[e]);
+    x[e] = xe;
+    ss += xe * xe;
+  }
+  ss = simd_sum(ss);
+  const float inv = 1.0f / sqrt(ss / float(D) + eps);
+  for (int e = int(lane); e < D; e += 32) x[e] = x[e] * inv * w[e];
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  const int half_r = rotary_dim / 2;
+  for (int i = 0; i < D / 32; ++i) {
+    const int e = int(lane) + 32 * i;
+    float v = x[e];
+    if (e < rotary_dim) {
+      const int j = e < half_r ? e : e - half_r;
+      const float ang = position * (1.0f / precise::pow(rope_theta, float(2 * j) / float(rotary_dim)));
+      const float c = precise::cos(ang), sn = precise::sin(ang);
+      v = e < half_r ? v * c - x[e + half_r] * sn : v * c + x[e - half_r] * sn;
+    }
+    y[i] = float(bfloat(v));
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+}
+
 typedef bfloat4 chunk4;  // 8 bytes of a K/V row: the unit of a coalesced load
 typedef float4 query4;
 // MODE: 0 = prefill (args.rows query rows per threadgroup, causal per row), 1 = decode (one row),
 //       2 = decode_split (one row, one fixed block of keys per threadgroup z, partials out).
 // D: head dim (32, 64, 128, 256); fixes the tile (BK keys) and the per-lane registers (D / 32 dims).
+// PREP (decode modes only): the q/k preparation fused in. Each simdgroup norms + ropes its query head from the
+// raw projection q_gate; the threadgroups whose keys include row pos norm + rope the new key (k_new) and take
+// the new value (v_new) into threadgroup memory and stage them from there (no cache read of a row written in
+// this dispatch); the first threadgroup of each KV head among them also stores both into the caches for
+// later steps. Without PREP the queries come from attn_prepare's scratch and row pos from the cache.
 // Grid: (n_kv · n_q/n_kv/pack, ceil(T / rows), blocks), threads 32 · pack · rows.
-template <int D, int MODE>
+template <int D, int MODE, bool PREP>
 [[kernel]] void attn_impl(constant AttnArgs& args [[buffer(0)]],
                           device const bfloat* q [[buffer(ATTN_Q)]],
                           device const bfloat* q_gate [[buffer(ATTN_Q_GATE)]],
-                          device const bfloat* k_cache [[buffer(ATTN_K_CACHE)]],
-                          device const bfloat* v_cache [[buffer(ATTN_V_CACHE)]],
+                          device bfloat* k_cache [[buffer(ATTN_K_CACHE)]],
+                          device bfloat* v_cache [[buffer(ATTN_V_CACHE)]],
                           device bfloat* out [[buffer(ATTN_OUT)]],
                           device float* part_o [[buffer(ATTN_PART_O)]],
                           device float* part_ml [[buffer(ATTN_PART_ML)]],
+                          device const bfloat* k_new [[buffer(ATTN_K_NEW)]],
+                          device const bfloat* v_new [[buffer(ATTN_V_NEW)]],
+                          device const float* q_norm [[buffer(ATTN_Q_NORM)]],
+                          device const float* k_norm [[buffer(ATTN_K_NORM)]],
                           uint3 tg [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]],
                           uint ntid [[threads_per_threadgroup]],  // never a dispatch tail: dispatchThreadgroups
@@ -141,9 +181,33 @@ template <int D, int MODE>
     key_end_tg = key_end_item;
   }
 
-  device const bfloat* qrow = q + (ulong(t) * args.n_q + h) * D;
   threadgroup float* qi = qs + sg * D;
-  for (int e = int(lane); e < D; e += 32) qi[e] = float(qrow[e]) * args.scale;
+  threadgroup chunk4 knew4[PREP ? D / 4 : 1];  // the new row pos (PREP), staged from here
+  threadgroup chunk4 vnew4[PREP ? D / 4 : 1];
+  threadgroup float kx[PREP ? D : 1];
+  const bool has_new = PREP && key_begin <= args.pos && args.pos < key_end_tg;
+  if (PREP) {
+    float y[EPL];
+    attn_norm_rope<D>(q_gate + ulong(h) * 2 * D, q_norm, qi, args.rotary_dim, args.rope_theta, args.eps,
+                      float(args.pos), lane, y);
+    for (int i = 0; i < EPL; ++i) qi[int(lane) + 32 * i] = y[i] * args.scale;
+    if (has_new && sg == 0) {
+      attn_norm_rope<D>(k_new + ulong(kvh) * D, k_norm, kx, args.rotary_dim, args.rope_theta, args.eps,
+                        float(args.pos), lane, y);
+      threadgroup bfloat* kn = (threadgroup bfloat*)knew4;
+      threadgroup bfloat* vn = (threadgroup bfloat*)vnew4;
+      device const bfloat* vs = v_new + ulong(kvh) * D;
+      for (int i = 0; i < EPL; ++i) {
+        const int e = int(lane) + 32 * i;
+        kn[e] = bfloat(y[i]);
+        vn[e] = vs[e];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    device const bfloat* qrow = q + (ulong(t) * args.n_q + h) * D;
+    for (int e = int(lane); e < D; e += 32) qi[e] = float(qrow[e]) * args.scale;
+  }
 
   device const bfloat4* kc4 = (device const bfloat4*)(k_cache + ulong(kvh) * args.capacity * D);
   device const bfloat4* vc4 = (device const bfloat4*)(v_cache + ulong(kvh) * args.capacity * D);
@@ -160,8 +224,9 @@ template <int D, int MODE>
       const int r = c / (D / 4), c4 = c % (D / 4);
       const int s = s0 + r;
       const bool in = s < key_end_tg;
-      kt4[r * (RS / 4) + c4] = in ? kc4[ulong(s) * (D / 4) + c4] : bfloat4(0.0f);
-      vt4[r * (RS / 4) + c4] = in ? vc4[ulong(s) * (D / 4) + c4] : bfloat4(0.0f);
+      const bool fresh = has_new && s == args.pos;
+      kt4[r * (RS / 4) + c4] = !in ? bfloat4(0.0f) : fresh ? knew4[c4] : kc4[ulong(s) * (D / 4) + c4];
+      vt4[r * (RS / 4) + c4] = !in ? bfloat4(0.0f) : fresh ? vnew4[c4] : vc4[ulong(s) * (D / 4) + c4];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -199,6 +264,17 @@ template <int D, int MODE>
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the next tile overwrites kt/vt
   }
 
+  // PREP: the new row into the caches for later steps, once per KV head, after this dispatch's reads of them.
+  if (has_new && sg == 0 && int(tg.x) % packs == 0) {
+    device bfloat* kd = k_cache + (ulong(kvh) * args.capacity + args.pos) * D;
+    device bfloat* vd = v_cache + (ulong(kvh) * args.capacity + args.pos) * D;
+    threadgroup const bfloat* kn = (threadgroup const bfloat*)knew4;
+    threadgroup const bfloat* vn = (threadgroup const bfloat*)vnew4;
+    for (int e = int(lane); e < D; e += 32) {
+      kd[e] = kn[e];
+      vd[e] = vn[e];
+    }
+  }
   if (!row_active) return;
   if (MODE == 2) {
     const ulong pb = ulong(h) * args.blocks + tg.z;
@@ -242,16 +318,16 @@ template <int D, int MODE>
   out[ulong(h) * d + e] = bfloat(o / l * (1.0f / (1.0f + exp(-g))));
 }
 
-#define LILY_ATTN_INSTANTIATE(D)                                                                             \
-  template [[host_name("attn_prefill_bf16_d" #D)]] [[kernel]] void attn_impl<D, 0>(                          \
-      constant AttnArgs&, device const bfloat*, device const bfloat*, device const bfloat*,                  \
-      device const bfloat*, device bfloat*, device float*, device float*, uint3, uint, uint, uint, uint);    \
-  template [[host_name("attn_decode_bf16_d" #D)]] [[kernel]] void attn_impl<D, 1>(                           \
-      constant AttnArgs&, device const bfloat*, device const bfloat*, device const bfloat*,                  \
-      device const bfloat*, device bfloat*, device float*, device float*, uint3, uint, uint, uint, uint);    \
-  template [[host_name("attn_decode_split_bf16_d" #D)]] [[kernel]] void attn_impl<D, 2>(                     \
-      constant AttnArgs&, device const bfloat*, device const bfloat*, device const bfloat*,                  \
-      device const bfloat*, device bfloat*, device float*, device float*, uint3, uint, uint, uint, uint);
+#define LILY_ATTN_SIG                                                                                         \
+  constant AttnArgs&, device const bfloat*, device const bfloat*, device bfloat*, device bfloat*, device bfloat*, \
+      device float*, device float*, device const bfloat*, device const bfloat*, device const float*,               \
+      device const float*, uint3, uint, uint, uint, uint
+#define LILY_ATTN_INSTANTIATE(D)                                                                                      \
+  template [[host_name("attn_prefill_bf16_d" #D)]] [[kernel]] void attn_impl<D, 0, false>(LILY_ATTN_SIG);            \
+  template [[host_name("attn_decode_bf16_d" #D)]] [[kernel]] void attn_impl<D, 1, false>(LILY_ATTN_SIG);             \
+  template [[host_name("attn_decode_split_bf16_d" #D)]] [[kernel]] void attn_impl<D, 2, false>(LILY_ATTN_SIG);       \
+  template [[host_name("attn_decode_prep_bf16_d" #D)]] [[kernel]] void attn_impl<D, 1, true>(LILY_ATTN_SIG);        \
+  template [[host_name("attn_decode_split_prep_bf16_d" #D)]] [[kernel]] void attn_impl<D, 2, true>(LILY_ATTN_SIG);
 
 LILY_ATTN_INSTANTIATE(32)
 LILY_ATTN_INSTANTIATE(64)

@@ -97,6 +97,40 @@ LILY_CONSTANT lily_i32 LILY_QGEMM_BK = 64;
 LILY_CONSTANT lily_i32 LILY_QGEMM_THREADS = 128;
 // ---- end dense ----
 
+// ---- family: proj ----
+// proj_norm (metal/proj.metal, csrc/backends/metal/proj.cpp): decode (one row) RMSNorm fused into the
+// projections that consume it, up to LILY_PROJ_MAX_MATRICES matrices sharing that input in one dispatch
+// (GDN in_proj qkv/z/b/a, attention q/k/v, router + shared-expert gate, the final norm + lm_head). Every
+// threadgroup recomputes the row's inverse RMS from the f32 residual x [H] (H ≤ LILY_PROJ_MAX_COLS) into a
+// bf16-rounded normed row in threadgroup memory (the values the unfused rmsnorm would have stored), then its
+// simdgroups run the qgemv sweep over global rows: row g belongs to matrix m with begin[m] ≤ g < begin[m] +
+// rows[m], whose format, strides and output slot are per matrix.
+LILY_CONSTANT lily_i32 LILY_PROJ_MAX_MATRICES = 4;
+LILY_CONSTANT lily_i32 LILY_PROJ_MAX_COLS = 4096;
+LILY_CONSTANT lily_i32 LILY_PROJ_ROWS = 4;        // output rows per simdgroup (qgemv's shape)
+LILY_CONSTANT lily_i32 LILY_PROJ_SIMDGROUPS = 4;  // per threadgroup: the norm is recomputed once per 16 rows
+struct ProjArgs {
+  lily_i32 n;            // matrices
+  lily_i32 cols;         // H
+  lily_i32 total_rows;   // Σ rows
+  lily_i32 write_xn;     // 1: threadgroup 0 also stores the normed row (bf16 [H]) for later consumers
+  float eps;
+  lily_i32 pad[3];
+  lily_i32 rows[LILY_PROJ_MAX_MATRICES];
+  lily_i32 begin[LILY_PROJ_MAX_MATRICES];   // first global row of each matrix
+  lily_i32 format[LILY_PROJ_MAX_MATRICES];  // LilyWeightFormat
+  lily_u64 w_row_bytes[LILY_PROJ_MAX_MATRICES];
+  lily_u64 s_row_bytes[LILY_PROJ_MAX_MATRICES];
+};
+enum LilyProjSlot : lily_i32 {
+  LILY_PROJ_X = 1,       // f32 [H] residual row
+  LILY_PROJ_NORM_W = 2,  // f32 [H]
+  LILY_PROJ_XN = 3,      // bf16 [H] normed row (written when write_xn)
+  LILY_PROJ_W0 = 4,      // matrix m: W at 4 + 3m, scales 5 + 3m, biases 6 + 3m
+  LILY_PROJ_OUT0 = 16,   // matrix m's output at 16 + m: bf16 or f32 [rows[m]]
+};
+// ---- end proj ----
+
 // ---- family: moe ----
 // Mixture of experts (metal/moe.metal, csrc/backends/metal/moe.cpp). Layouts: xn bf16 [T, H]; router logits
 // f32 [T, E]; ids int32 [T, k] and weights f32 [T, k]; a "slot" is the position of one (token, j) assignment
@@ -202,6 +236,8 @@ struct MoeGemvArgs {
   lily_i32 K_shared;          // down: I_s (the shared expert's h width); gate_up: H
   lily_i32 top_k;
   lily_i32 ld_h;              // row stride of h [k + 1, ld_h], in elements
+  lily_i32 experts;           // gate_up_topk: E (router logits per row)
+  lily_i32 pad;
   MoeMatrixStrides W;         // routed matrices (gate/up share strides)
   MoeMatrixStrides Ws;        // shared matrices
 };
@@ -214,7 +250,9 @@ enum LilyMoeGemvSlot : lily_i32 {
   LILY_MOE_GEMV_W1 = 8, LILY_MOE_GEMV_S1 = 9, LILY_MOE_GEMV_B1 = 10,   // routed up (gate_up)
   LILY_MOE_GEMV_SW0 = 11, LILY_MOE_GEMV_SS0 = 12, LILY_MOE_GEMV_SB0 = 13,  // shared gate_proj or down
   LILY_MOE_GEMV_SW1 = 14, LILY_MOE_GEMV_SS1 = 15, LILY_MOE_GEMV_SB1 = 16,  // shared up
-  LILY_MOE_GEMV_OUT = 17        // gate_up: h bf16 [k + 1, ld_h]; down: x f32 [H] (added into)
+  LILY_MOE_GEMV_OUT = 17,       // gate_up: h bf16 [k + 1, ld_h]; down: x f32 [H] (added into)
+  LILY_MOE_GEMV_LOGITS = 18     // gate_up_topk: router logits f32 [E] (top-k recomputed per threadgroup; threadgroup
+                                // (0, 0) writes ids / weights for moe_gemv_down)
 };
 // ---- end moe ----
 
@@ -310,6 +348,8 @@ struct AttnArgs {
   lily_i32 block;          // split: keys per block
   lily_i32 blocks;         // split: blocks (grid z); partials are [n_q, blocks, ...]
   float scale;             // 1 / sqrt(d)
+  lily_i32 rotary_dim;     // prep variants: RoPE dims, θ, q/k norm eps
+  float rope_theta, eps;
 };
 enum AttnSlot : lily_i32 {
   ATTN_Q = 1,       // bf16 [T, n_q, d] normed + roped queries
@@ -319,5 +359,9 @@ enum AttnSlot : lily_i32 {
   ATTN_OUT,         // bf16 [T, n_q * d]
   ATTN_PART_O,      // f32 [n_q, blocks, d]   split: unnormalised Σ p·v of each block
   ATTN_PART_ML,     // f32 [n_q, blocks, 2]   split: (running max, Σ p) of each block
+  ATTN_K_NEW,       // prep: bf16 [n_kv, d] the step's projected key row (before norm + RoPE)
+  ATTN_V_NEW,       // prep: bf16 [n_kv, d] the step's value row
+  ATTN_Q_NORM,      // prep: f32 [d] (1 + w)
+  ATTN_K_NORM,      // prep: f32 [d] (1 + w)
 };
 // ---- end attn ----

@@ -98,18 +98,10 @@ kernel void moe_route_logits(constant MoeRouteArgs& args [[buffer(0)]],
 }
 
 // A simdgroup per token; expert e lives in lane e % 32, register e / 32.
-kernel void moe_route_topk(constant MoeRouteArgs& args [[buffer(0)]],
-                           device const float* logits [[buffer(LILY_MOE_ROUTE_LOGITS)]],
-                           device int* ids [[buffer(LILY_MOE_ROUTE_IDS)]],
-                           device float* weights [[buffer(LILY_MOE_ROUTE_WEIGHTS)]],
-                           uint tg [[threadgroup_position_in_grid]],
-                           uint sg [[simdgroup_index_in_threadgroup]],
-                           uint lane [[thread_index_in_simdgroup]]) {
+// Softmax over the E logits of one row, then top-k by k rounds of (max probability, then the lowest expert
+// among the ties; a taken expert drops to -1), renormalised: sel[j], w[j] in every lane of the simdgroup.
+inline void moe_topk_simd(device const float* l, int E, int k, uint lane, thread int* sel, thread float* w) {
   constexpr int PER_LANE = LILY_MOE_MAX_EXPERTS / LILY_SIMD_WIDTH;
-  const int t = int(tg) * LILY_MOE_TOPK_SIMDGROUPS + int(sg);
-  if (t >= args.T) return;
-  const int E = args.rows;
-  device const float* l = logits + long(t) * E;
   float p[PER_LANE];
   float mx = -INFINITY;
   for (int i = 0; i < PER_LANE; ++i) {
@@ -126,11 +118,8 @@ kernel void moe_route_topk(constant MoeRouteArgs& args [[buffer(0)]],
   }
   sum = simd_sum(sum);
   for (int i = 0; i < PER_LANE; ++i) p[i] = p[i] / sum;
-  // k rounds of (max probability, then lowest expert among the ties); a taken expert drops to -1.
-  float top[LILY_MOE_MAX_TOPK];
-  int sel[LILY_MOE_MAX_TOPK];
   float total = 0.0f;
-  for (int j = 0; j < args.top_k; ++j) {
+  for (int j = 0; j < k; ++j) {
     float best = -1.0f;
     int best_e = LILY_MOE_MAX_EXPERTS;  // no expert: above every index
     for (int i = 0; i < PER_LANE; ++i) {
@@ -143,14 +132,29 @@ kernel void moe_route_topk(constant MoeRouteArgs& args [[buffer(0)]],
     const float m = simd_max(best);
     const int win = simd_min(best == m ? best_e : LILY_MOE_MAX_EXPERTS);
     if (win % LILY_SIMD_WIDTH == int(lane)) p[win / LILY_SIMD_WIDTH] = -1.0f;
-    top[j] = m;
+    w[j] = m;
     sel[j] = win;
     total += m;
   }
+  for (int j = 0; j < k; ++j) w[j] = w[j] / total;
+}
+
+kernel void moe_route_topk(constant MoeRouteArgs& args [[buffer(0)]],
+                           device const float* logits [[buffer(LILY_MOE_ROUTE_LOGITS)]],
+                           device int* ids [[buffer(LILY_MOE_ROUTE_IDS)]],
+                           device float* weights [[buffer(LILY_MOE_ROUTE_WEIGHTS)]],
+                           uint tg [[threadgroup_position_in_grid]],
+                           uint sg [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]]) {
+  const int t = int(tg) * LILY_MOE_TOPK_SIMDGROUPS + int(sg);
+  if (t >= args.T) return;
+  int sel[LILY_MOE_MAX_TOPK];
+  float w[LILY_MOE_MAX_TOPK];
+  moe_topk_simd(logits + long(t) * args.rows, args.rows, args.top_k, lane, sel, w);
   if (lane == 0) {
     for (int j = 0; j < args.top_k; ++j) {
       ids[long(t) * args.top_k + j] = sel[j];
-      weights[long(t) * args.top_k + j] = top[j] / total;
+      weights[long(t) * args.top_k + j] = w[j];
     }
   }
 }
@@ -425,24 +429,43 @@ kernel void moe_combine(constant MoeCombineArgs& args [[buffer(0)]],
 
 // ---------------------------------------------------------------- decode: fused GEMVs
 
+// One output row r of h for slot j (expert e, or the shared expert when shared): SiLU(gate . x) * (up . x).
+template <int FMT>
+inline float moe_gate_up_row(constant MoeGemvArgs& args, device const bfloat* x, bool shared, int e, int r,
+                             device const uchar* gw, device const bfloat* gs, device const bfloat* gb,
+                             device const uchar* uw, device const bfloat* us, device const bfloat* ub,
+                             device const uchar* sgw, device const bfloat* sgs, device const bfloat* sgb,
+                             device const uchar* suw, device const bfloat* sus, device const bfloat* sub, uint lane) {
+  float g, u;
+  if (shared) {
+    g = moe_row_dot<FMT>(moe_wrow(sgw, args.Ws, 0, r), moe_srow(sgs, args.Ws, 0, r), moe_srow(sgb, args.Ws, 0, r), x, args.K, lane);
+    u = moe_row_dot<FMT>(moe_wrow(suw, args.Ws, 0, r), moe_srow(sus, args.Ws, 0, r), moe_srow(sub, args.Ws, 0, r), x, args.K, lane);
+  } else {
+    g = moe_row_dot<FMT>(moe_wrow(gw, args.W, e, r), moe_srow(gs, args.W, e, r), moe_srow(gb, args.W, e, r), x, args.K, lane);
+    u = moe_row_dot<FMT>(moe_wrow(uw, args.W, e, r), moe_srow(us, args.W, e, r), moe_srow(ub, args.W, e, r), x, args.K, lane);
+  }
+  return moe_silu(g) * u;
+}
+
+#define LILY_MOE_GATE_UP_PARAMS                                                                   \
+  constant MoeGemvArgs &args [[buffer(0)]], device const bfloat *x [[buffer(LILY_MOE_GEMV_X)]],    \
+      device const uchar *gw [[buffer(LILY_MOE_GEMV_W0)]],                                         \
+      device const bfloat *gs [[buffer(LILY_MOE_GEMV_S0)]],                                        \
+      device const bfloat *gb [[buffer(LILY_MOE_GEMV_B0)]],                                        \
+      device const uchar *uw [[buffer(LILY_MOE_GEMV_W1)]],                                         \
+      device const bfloat *us [[buffer(LILY_MOE_GEMV_S1)]],                                        \
+      device const bfloat *ub [[buffer(LILY_MOE_GEMV_B1)]],                                        \
+      device const uchar *sgw [[buffer(LILY_MOE_GEMV_SW0)]],                                       \
+      device const bfloat *sgs [[buffer(LILY_MOE_GEMV_SS0)]],                                      \
+      device const bfloat *sgb [[buffer(LILY_MOE_GEMV_SB0)]],                                      \
+      device const uchar *suw [[buffer(LILY_MOE_GEMV_SW1)]],                                       \
+      device const bfloat *sus [[buffer(LILY_MOE_GEMV_SS1)]],                                      \
+      device const bfloat *sub [[buffer(LILY_MOE_GEMV_SB1)]],                                      \
+      device bfloat *h [[buffer(LILY_MOE_GEMV_OUT)]]
+
 // FMT: format of the routed and the shared gate/up matrices. Grid (ceil(max(I, I_s) / 8), k + 1).
 template <int FMT>
-kernel void moe_gemv_gate_up(constant MoeGemvArgs& args [[buffer(0)]],
-                             device const bfloat* x [[buffer(LILY_MOE_GEMV_X)]],
-                             device const int* ids [[buffer(LILY_MOE_GEMV_IDS)]],
-                             device const uchar* gw [[buffer(LILY_MOE_GEMV_W0)]],
-                             device const bfloat* gs [[buffer(LILY_MOE_GEMV_S0)]],
-                             device const bfloat* gb [[buffer(LILY_MOE_GEMV_B0)]],
-                             device const uchar* uw [[buffer(LILY_MOE_GEMV_W1)]],
-                             device const bfloat* us [[buffer(LILY_MOE_GEMV_S1)]],
-                             device const bfloat* ub [[buffer(LILY_MOE_GEMV_B1)]],
-                             device const uchar* sgw [[buffer(LILY_MOE_GEMV_SW0)]],
-                             device const bfloat* sgs [[buffer(LILY_MOE_GEMV_SS0)]],
-                             device const bfloat* sgb [[buffer(LILY_MOE_GEMV_SB0)]],
-                             device const uchar* suw [[buffer(LILY_MOE_GEMV_SW1)]],
-                             device const bfloat* sus [[buffer(LILY_MOE_GEMV_SS1)]],
-                             device const bfloat* sub [[buffer(LILY_MOE_GEMV_SB1)]],
-                             device bfloat* h [[buffer(LILY_MOE_GEMV_OUT)]],
+kernel void moe_gemv_gate_up(LILY_MOE_GATE_UP_PARAMS, device const int* ids [[buffer(LILY_MOE_GEMV_IDS)]],
                              uint2 tg [[threadgroup_position_in_grid]],
                              uint sg [[simdgroup_index_in_threadgroup]],
                              uint lane [[thread_index_in_simdgroup]]) {
@@ -450,16 +473,38 @@ kernel void moe_gemv_gate_up(constant MoeGemvArgs& args [[buffer(0)]],
   const bool shared = j == args.top_k;
   const int r = int(tg.x) * LILY_MOE_GEMV_SIMDGROUPS + int(sg);
   if (r >= (shared ? args.N_shared : args.N)) return;  // uniform per simdgroup
-  float g, u;
-  if (shared) {
-    g = moe_row_dot<FMT>(moe_wrow(sgw, args.Ws, 0, r), moe_srow(sgs, args.Ws, 0, r), moe_srow(sgb, args.Ws, 0, r), x, args.K, lane);
-    u = moe_row_dot<FMT>(moe_wrow(suw, args.Ws, 0, r), moe_srow(sus, args.Ws, 0, r), moe_srow(sub, args.Ws, 0, r), x, args.K, lane);
-  } else {
-    const int e = ids[j];
-    g = moe_row_dot<FMT>(moe_wrow(gw, args.W, e, r), moe_srow(gs, args.W, e, r), moe_srow(gb, args.W, e, r), x, args.K, lane);
-    u = moe_row_dot<FMT>(moe_wrow(uw, args.W, e, r), moe_srow(us, args.W, e, r), moe_srow(ub, args.W, e, r), x, args.K, lane);
-  }
-  if (lane == 0) h[long(j) * args.ld_h + r] = bfloat(moe_silu(g) * u);
+  const float v = moe_gate_up_row<FMT>(args, x, shared, shared ? 0 : ids[j], r, gw, gs, gb, uw, us, ub, sgw, sgs, sgb,
+                                       suw, sus, sub, lane);
+  if (lane == 0) h[long(j) * args.ld_h + r] = bfloat(v);
+}
+
+// The same with the top-k fused in (moe_gemv_gate_up_topk_<fmt>): every simdgroup recomputes softmax + top-k
+// from the router logits f32 [E] (E = 256: eight values a lane), so no top-k dispatch or barrier separates
+// the router from the experts; threadgroup (0, 0) stores ids / weights for moe_gemv_down (the next stage).
+template <int FMT>
+kernel void moe_gemv_gate_up_topk(LILY_MOE_GATE_UP_PARAMS,
+                                  device int* ids [[buffer(LILY_MOE_GEMV_IDS)]],
+                                  device float* weights [[buffer(LILY_MOE_GEMV_WEIGHTS)]],
+                                  device const float* logits [[buffer(LILY_MOE_GEMV_LOGITS)]],
+                                  uint2 tg [[threadgroup_position_in_grid]],
+                                  uint sg [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  const int j = int(tg.y);
+  const bool shared = j == args.top_k;
+  const int r = int(tg.x) * LILY_MOE_GEMV_SIMDGROUPS + int(sg);
+  int sel[LILY_MOE_MAX_TOPK];
+  float w[LILY_MOE_MAX_TOPK];
+  const bool store = tg.x == 0 && tg.y == 0 && sg == 0;
+  if (!shared || store) moe_topk_simd(logits, args.experts, args.top_k, lane, sel, w);
+  if (store && lane == 0)
+    for (int i = 0; i < args.top_k; ++i) {
+      ids[i] = sel[i];
+      weights[i] = w[i];
+    }
+  if (r >= (shared ? args.N_shared : args.N)) return;  // uniform per simdgroup
+  const float v = moe_gate_up_row<FMT>(args, x, shared, shared ? 0 : sel[j], r, gw, gs, gb, uw, us, ub, sgw, sgs, sgb,
+                                       suw, sus, sub, lane);
+  if (lane == 0) h[long(j) * args.ld_h + r] = bfloat(v);
 }
 
 // FMT: format of the routed and the shared down matrices. Grid ceil(H / 8); a simdgroup owns output row r
@@ -547,21 +592,16 @@ template [[host_name("moe_gemm_down_bf16_bm16")]] [[kernel]] void moe_gemm_down<
 template [[host_name("moe_gemm_down_bf16_bm32")]] [[kernel]] void moe_gemm_down<LILY_W_BF16, 32>(
     constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
     device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
-template [[host_name("moe_gemv_gate_up_q4")]] [[kernel]] void moe_gemv_gate_up<LILY_W_Q4>(
-    constant MoeGemvArgs&, device const bfloat*, device const int*, device const uchar*, device const bfloat*,
-    device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint);
-template [[host_name("moe_gemv_gate_up_q8")]] [[kernel]] void moe_gemv_gate_up<LILY_W_Q8>(
-    constant MoeGemvArgs&, device const bfloat*, device const int*, device const uchar*, device const bfloat*,
-    device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint);
-template [[host_name("moe_gemv_gate_up_bf16")]] [[kernel]] void moe_gemv_gate_up<LILY_W_BF16>(
-    constant MoeGemvArgs&, device const bfloat*, device const int*, device const uchar*, device const bfloat*,
-    device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint);
+#define LILY_MOE_GATE_UP_SIG                                                                                  \
+  constant MoeGemvArgs&, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, \
+      device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, \
+      device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, device bfloat*
+template [[host_name("moe_gemv_gate_up_q4")]] [[kernel]] void moe_gemv_gate_up<LILY_W_Q4>(LILY_MOE_GATE_UP_SIG, device const int*, uint2, uint, uint);
+template [[host_name("moe_gemv_gate_up_q8")]] [[kernel]] void moe_gemv_gate_up<LILY_W_Q8>(LILY_MOE_GATE_UP_SIG, device const int*, uint2, uint, uint);
+template [[host_name("moe_gemv_gate_up_bf16")]] [[kernel]] void moe_gemv_gate_up<LILY_W_BF16>(LILY_MOE_GATE_UP_SIG, device const int*, uint2, uint, uint);
+template [[host_name("moe_gemv_gate_up_topk_q4")]] [[kernel]] void moe_gemv_gate_up_topk<LILY_W_Q4>(LILY_MOE_GATE_UP_SIG, device int*, device float*, device const float*, uint2, uint, uint);
+template [[host_name("moe_gemv_gate_up_topk_q8")]] [[kernel]] void moe_gemv_gate_up_topk<LILY_W_Q8>(LILY_MOE_GATE_UP_SIG, device int*, device float*, device const float*, uint2, uint, uint);
+template [[host_name("moe_gemv_gate_up_topk_bf16")]] [[kernel]] void moe_gemv_gate_up_topk<LILY_W_BF16>(LILY_MOE_GATE_UP_SIG, device int*, device float*, device const float*, uint2, uint, uint);
 template [[host_name("moe_gemv_down_q4")]] [[kernel]] void moe_gemv_down<LILY_W_Q4>(
     constant MoeGemvArgs&, device const bfloat*, device const int*, device const float*, device const float*,
     device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*,

@@ -2,7 +2,13 @@
 emulated device against tests/reference/dense.py: q4 / q8 / bf16 weights, every output mode (bf16 store, f32
 store, f32 add into the residual), rows and cols not multiples of the tiles, T = 1, 2, 7, 33, under the
 forward, reverse and random schedules. The Counters show the GEMV reads each weight byte once and the GEMM
-writes nothing but its output (no dequantised copy of W)."""
+writes nothing but its output (no dequantised copy of W). The GEMM runs on both matrix paths: simdgroup_matrix
+(qgemm_*) and Metal 4 tensor ops (qgemm_tensor_*, matmul2d through the emulator's tensor shim), selected by the
+device's has_tensor_ops or forced."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -14,12 +20,13 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal 
 PAGE = 4096
 
 
-def run(bits, rows, cols, T, mode, order, seed, skew=0):
+def run(bits, rows, cols, T, mode, order, seed, skew=0, tensor_ops=False, path="auto"):
     rng = np.random.default_rng(seed)
     w, s, b, W = ref.random_matrix(rng, rows, cols, bits)
     x = ref.bf16_bits(rng.standard_normal((T, cols)).astype(np.float32))
     residual = rng.standard_normal((T, rows)).astype(np.float32)
-    r = kernels.project(w, s, b, bits, rows, cols, x, mode, residual, order=order, seed=seed, weight_skew=skew)
+    r = kernels.project(w, s, b, bits, rows, cols, x, mode, residual, order=order, seed=seed, weight_skew=skew,
+                       tensor_ops=tensor_ops, path=path)
     want = ref.project(W, x, mode, residual, gemm=T > 1)
     return r, want, W, x, residual
 
@@ -53,9 +60,61 @@ def test_gemv(order, bits, rows, cols, mode):
 @pytest.mark.parametrize("bits,rows,cols,T", [(4, 40, 128, 2), (8, 33, 320, 7), (0, 70, 64, 33), (4, 65, 192, 33),
                                               (0, 17, 100, 7)])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_gemm(order, bits, rows, cols, T, mode):
-    r, want, *_ = run(bits, rows, cols, T, mode, order, seed=2000 + order * 7 + bits + rows + T + mode)
+@pytest.mark.parametrize("tensor_ops", [False, True], ids=["simdgroup", "tensor"])
+def test_gemm(order, bits, rows, cols, T, mode, tensor_ops):
+    r, want, *_ = run(bits, rows, cols, T, mode, order, seed=2000 + order * 7 + bits + rows + T + mode,
+                      tensor_ops=tensor_ops)
     check(r, want, mode)
+    prefix = "qgemm_tensor_" if tensor_ops else "qgemm_"
+    assert list(r["counters"]["kernels"]) == [prefix + ("q4", "q8", "bf16")[(4, 8, 0).index(bits)] + "_" +
+                                              ("bf16", "f32", "f32add")[mode]]
+
+
+# The two paths: the same dequantised bf16 tiles, fp32 accumulation both ways, in a different order (8-deep
+# simdgroup_matrix steps vs one 64-deep matmul2d step): equal within fp32 reordering. Edge tiles in every
+# dimension (T, rows, and bf16 cols not multiples of 32 / 32 / 64), one-row and one-column tiles.
+@pytest.mark.parametrize("bits,rows,cols,T", [(4, 96, 256, 64), (8, 31, 192, 33), (0, 33, 65, 31), (0, 1, 1, 2),
+                                              (4, 1, 64, 2), (0, 100, 130, 40)])
+def test_gemm_paths_agree(bits, rows, cols, T):
+    seed = 5000 + bits + rows + T
+    a, want, *_ = run(bits, rows, cols, T, 1, 0, seed, tensor_ops=True, path="simdgroup")
+    b, *_ = run(bits, rows, cols, T, 1, 2, seed, tensor_ops=True, path="tensor")
+    check(a, want, 1)
+    check(b, want, 1)
+    np.testing.assert_allclose(a["out"], b["out"], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert "qgemm_tensor_" not in "".join(a["counters"]["kernels"])
+    assert list(b["counters"]["kernels"])[0].startswith("qgemm_tensor_")
+
+
+def test_gemm_path_selection():
+    # automatic: the device decides; GEMV (T = 1) has one path; forcing tensor ops needs a device with them.
+    assert list(run(4, 40, 128, 7, 1, 0, 1, tensor_ops=False)[0]["counters"]["kernels"]) == ["qgemm_q4_f32"]
+    assert list(run(4, 40, 128, 7, 1, 0, 1, tensor_ops=True)[0]["counters"]["kernels"]) == ["qgemm_tensor_q4_f32"]
+    assert list(run(4, 40, 128, 1, 1, 0, 1, tensor_ops=True)[0]["counters"]["kernels"]) == ["qgemv_q4_f32"]
+    assert list(run(4, 40, 128, 7, 1, 0, 1, tensor_ops=True, path="simdgroup")[0]["counters"]["kernels"]) == \
+        ["qgemm_q4_f32"]
+    with pytest.raises(ValueError, match="without Metal 4 tensor ops"):
+        run(4, 40, 128, 7, 1, 0, 1, tensor_ops=False, path="tensor")
+    with pytest.raises(ValueError, match="path"):
+        run(4, 40, 128, 7, 1, 0, 1, path="ane")
+
+
+def test_qgemm_compiles_for_both_language_versions():
+    # Non-tensor GPUs compile metal/ as MSL 3.1, where the tensor variants are absent (#if __METAL_VERSION__ >=
+    # 400); the emulated library is MSL 4.0 with both.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lower = os.path.join(root, "csrc", "mslemu", "lower.py")
+    qgemm = os.path.join(root, "metal", "qgemm.metal")
+    names = {}
+    for version in (310, 400):
+        r = subprocess.run([sys.executable, lower, "check", qgemm, "-I", os.path.join(root, "metal"),
+                            "--metal-version", str(version)], capture_output=True, text=True)
+        if r.returncode and "clang++ not found" in r.stderr:
+            pytest.skip("needs clang++")
+        assert r.returncode == 0, r.stderr
+        names[version] = r.stdout.split(": ", 2)[-1]
+    assert "qgemm_tensor_" not in names[310] and "qgemm_q4_bf16" in names[310]
+    assert "qgemm_tensor_q4_bf16" in names[400] and "qgemm_q4_bf16" in names[400]
 
 
 # mlx's safetensors writer does not pad the header, so a tensor of an MLX checkpoint may start at any byte of the
@@ -83,10 +142,11 @@ def test_gemv_reads_each_weight_byte_once(bits):
     assert c["bytes_written"]["weights"] == 0
 
 
+@pytest.mark.parametrize("tensor_ops", [False, True], ids=["simdgroup", "tensor"])
 @pytest.mark.parametrize("bits", [4, 0])
-def test_gemm_writes_only_its_output(bits):
+def test_gemm_writes_only_its_output(bits, tensor_ops):
     rows, cols, T = 96, 512, 33
-    r, want, *_ = run(bits, rows, cols, T, 1, 0, seed=4000 + bits)
+    r, want, *_ = run(bits, rows, cols, T, 1, 0, seed=4000 + bits, tensor_ops=tensor_ops)
     check(r, want, 1)
     c = r["counters"]
     out_bytes = T * rows * 4

@@ -18,6 +18,7 @@ PREFIXES = {
     "moe": ("moe_",),
     "gdn": ("gdn_",),
     "attn": ("attn_",),
+    "proj": ("proj_",),
 }
 
 

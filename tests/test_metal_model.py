@@ -124,13 +124,14 @@ def test_decode_counters(ids):
 
 
 # Every kernel function of metal/ that the schedule dispatches for a prefill chunk and greedy decode steps
-# (the split-KV decode pair only runs at >= 32K context; tests/test_attn.py forces it).
+# (the split-KV decode pair only runs at >= 32K context; tests/test_attn.py forces it; the unfused decode kernels
+# run under the MetalOptions ablations of tests/test_metal_goals.py).
 SCHEDULED_KERNELS = {
     "prefill": ["embed", "rmsnorm_f32_bf16", "qgemm", "gdn_conv", "gdn_scan", "gdn_gated_norm", "attn_prepare",
                 "attn_prefill", "moe_route_logits", "moe_route_topk", "moe_route_histogram", "moe_route_scan",
-                "moe_route_scatter", "moe_gemm_gate_up", "moe_gemm_down", "moe_combine", "qgemv", "argmax_f32"],
-    "decode": ["embed", "rmsnorm_f32_bf16", "qgemv", "gdn_step", "attn_prepare", "attn_decode", "moe_route_logits",
-               "moe_route_topk", "moe_gemv_gate_up", "moe_gemv_down", "argmax_f32"],
+                "moe_route_scatter", "moe_gemm_gate_up", "moe_gemm_down", "moe_combine", "proj_norm", "argmax_f32"],
+    "decode": ["embed", "proj_norm", "qgemv", "gdn_step", "attn_decode_prep", "moe_gemv_gate_up_topk", "moe_gemv_down",
+               "argmax_f32"],
 }
 
 

@@ -19,7 +19,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMU_DIR = os.path.join(ROOT, "csrc", "mslemu")
 CASES = os.path.join(ROOT, "tests", "mslemu_cases")
-LIBRARY_SOURCES = ["kernels.metal", "bad_kernels.metal"]
+LIBRARY_SOURCES = ["kernels.metal", "bad_kernels.metal", "tensor_kernels.metal"]
 PAGE = mmap.PAGESIZE
 FORWARD, REVERSE, RANDOM = 0, 1, 2
 ORDERS = [FORWARD, REVERSE, RANDOM]
@@ -146,7 +146,7 @@ def build_library():
                 f"add_subdirectory({EMU_DIR} mslemu)\n"
                 f"if(NOT LILY_HAVE_MSLEMU)\n  message(FATAL_ERROR \"mslemu disabled\")\nendif()\n"
                 f"lily_add_metal_emu_library(TARGET cases OUTPUT_NAME {lib} SOURCES {sources} "
-                f"INCLUDE_DIRS {CASES})\n")
+                f"INCLUDE_DIRS {CASES} METAL_VERSION 400)\n")
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     out = os.path.join(build, "out")
     for cmd in (["cmake", *gen, "-S", project, "-B", out], ["cmake", "--build", out, "-j", "2"]):
@@ -341,6 +341,77 @@ def test_simdgroup_matrix_lane_layout(emu, rng):
     col = (q & 2) * 2 + (lane % 2) * 2
     expected = np.stack([m[row, 8 + col], m[row, 8 + col + 1]], 1).ravel()
     np.testing.assert_array_equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metal 4 tensor ops: matmul2d (mslemu/tensor.h)
+# ---------------------------------------------------------------------------------------------------------
+def bf16_round(x):
+    return (bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("shape", [(16, 32, 8), (37, 45, 29), (5, 70, 64), (1, 1, 1)])
+@pytest.mark.parametrize("order", ORDERS)
+def test_matmul2d_device_tensors(emu, rng, dtype, shape, order):
+    M, N, K = shape
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    B = rng.standard_normal((N, K)).astype(np.float32)
+    if dtype == "bf16":
+        A, B = bf16_round(A), bf16_round(B)
+        a, b = bf16_bits(A), bf16_bits(B)
+    else:
+        a, b = A.astype(np.float16), B.astype(np.float16)
+        A, B = a.astype(np.float32), b.astype(np.float32)
+    C = np.full((M, N), np.nan, np.float32)
+    emu.dispatch(f"mm2d_device_nt_{dtype}", ((N + 31) // 32, (M + 15) // 16), 128,
+                 [C, a, b, np.array([M, N, K, 0], np.int32)], order=order)
+    # Products of bf16 / half inputs are exact in fp32; the sum is fp32 (fma in k order).
+    ref = A.astype(np.float64) @ B.T.astype(np.float64)
+    np.testing.assert_allclose(C, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@pytest.mark.parametrize("shape", [(32, 16, 8), (50, 21, 19), (7, 40, 3)])
+def test_matmul2d_cooperative_accumulate(emu, rng, shape):
+    M, N, K = shape
+    A = bf16_round(rng.standard_normal((K, M)).astype(np.float32))  # stored [K, M]: transpose_left
+    B = bf16_round(rng.standard_normal((K, N)).astype(np.float32))
+    bias = rng.standard_normal((M, N)).astype(np.float32)
+    D = np.full((M, N), 0xFFFF, np.uint16)
+    emu.dispatch("mm2d_coop_acc", ((N + 15) // 16, (M + 31) // 32), 32,
+                 [D, bf16_bits(A), bf16_bits(B), bias, np.array([M, N, K, 0], np.int32)])
+    ref = bias + A.T.astype(np.float64) @ B.astype(np.float64)
+    got = (D.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_allclose(got, ref, rtol=2.0**-8, atol=1e-6)
+
+
+def test_matmul2d_cooperative_layout_is_a_partition(emu):
+    # 24 x 20 over execution_simdgroups<2> (64 threads): every tile element belongs to exactly one (thread,
+    # element), invalid tail elements included; the layout is opaque (scrambled here), so kernels must ask.
+    out = np.full((64, 1 + 3 * 16), -1, np.int32)
+    emu.dispatch("mm2d_layout", 1, 64, [out])
+    cap = out[:, 0]
+    assert (cap == (24 * 20 + 63) // 64).all()
+    seen = np.zeros((24, 20), int)
+    for t in range(64):
+        for i in range(cap[t]):
+            valid, n, m = out[t, 1 + 3 * i:4 + 3 * i]
+            if valid:
+                seen[m, n] += 1
+    assert (seen == 1).all()
+    assert not np.array_equal(out[0, 2:4], [0, 0]) or not np.array_equal(out[1, 2:4], [1, 0])  # not row-major
+
+
+def test_matmul2d_scope_must_match_threadgroup(emu):
+    with pytest.raises(KernelError, match=r"execution_simdgroups<4> \(128 threads\) but the threadgroup has 64"):
+        emu.dispatch("mm2d_wrong_scope", 1, 64, [np.zeros(64, np.float32), np.zeros(64, np.float16)])
+
+
+def test_tensor_headers_need_msl4():
+    r = subprocess.run([sys.executable, os.path.join(EMU_DIR, "lower.py"), "check",
+                        os.path.join(CASES, "tensor_kernels.metal"), "-I", CASES, "--metal-version", "310"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "needs MSL 4.0" in r.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------

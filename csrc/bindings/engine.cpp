@@ -34,17 +34,38 @@ static FloatArray to_numpy(std::vector<float>&& v, size_t rows, size_t cols) {
 // `library`: the emulated kernel library (lily/_metal_emu.so) for "metal-emu"; engine.py passes its path.
 // `count_bytes` (metal-emu): the emulator's per-page byte counting (the counters' bytes_read/written; off runs
 // several times faster and leaves those zero).
+// `metal_options`: MetalOptions (metal_backend.h) by field name; an unknown name is an error.
+static metal::MetalOptions metal_options_of(const nb::dict& d) {
+  metal::MetalOptions o;
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(k);
+    if (key == "fuse_norm_project") o.fuse_norm_project = nb::cast<bool>(v);
+    else if (key == "fuse_route") o.fuse_route = nb::cast<bool>(v);
+    else if (key == "fuse_attn_prepare") o.fuse_attn_prepare = nb::cast<bool>(v);
+    else if (key == "gqa_pack") o.gqa_pack = nb::cast<bool>(v);
+    else if (key == "attn_path") o.attn_path = nb::cast<int>(v);
+    else if (key == "gpu_routing") o.gpu_routing = nb::cast<bool>(v);
+    else if (key == "moe_tile_rows") o.moe_tile_rows = nb::cast<int>(v);
+    else
+      throw std::invalid_argument("[engine] unknown metal option '" + key +
+                                  "' (fuse_norm_project, fuse_route, fuse_attn_prepare, gqa_pack, attn_path, "
+                                  "gpu_routing, moe_tile_rows)");
+  }
+  return o;
+}
+
 static std::unique_ptr<Backend> make_backend(const std::string& name, const Model& model, int max_rows, int threads,
-                                             const std::string& library, bool count_bytes) {
+                                             const std::string& library, bool count_bytes,
+                                             const metal::MetalOptions& options) {
   if (name == "reference") return make_reference_backend(model, max_rows, threads);
   if (name == "metal-emu") {
     metal::EmuOptions o;
     o.workers = threads;
     o.count_bytes = count_bytes;
-    return metal::make_metal_backend(model, metal::make_emu_device(library, o), max_rows);
+    return metal::make_metal_backend(model, metal::make_emu_device(library, o), max_rows, options);
   }
 #ifdef __APPLE__
-  if (name == "metal") return metal::make_metal_backend(model, metal::make_metal_device(), max_rows);
+  if (name == "metal") return metal::make_metal_backend(model, metal::make_metal_device(), max_rows, options);
 #else
   if (name == "metal")
     throw std::invalid_argument("[engine] backend 'metal' needs macOS on Apple silicon; use 'metal-emu' to run the "
@@ -176,12 +197,14 @@ void init_engine(nb::module_& m) {
   nb::class_<Engine>(m, "Engine")
       .def("__init__",
            [](Engine* self, std::shared_ptr<Model> model, const std::string& backend, int max_rows, int threads,
-              int64_t max_context, const std::string& library, bool count_bytes) {
-             auto b = make_backend(backend, *model, max_rows, threads, library, count_bytes);
+              int64_t max_context, const std::string& library, bool count_bytes, const nb::dict& metal_options) {
+             auto b = make_backend(backend, *model, max_rows, threads, library, count_bytes,
+                                   metal_options_of(metal_options));
              new (self) Engine(std::move(model), std::move(b), max_context);
            },
            nb::arg("model"), nb::arg("backend") = "reference", nb::arg("max_rows") = 512, nb::arg("threads") = 0,
-           nb::arg("max_context") = 262144, nb::arg("library") = "", nb::arg("count_bytes") = true)
+           nb::arg("max_context") = 262144, nb::arg("library") = "", nb::arg("count_bytes") = true,
+           nb::arg("metal_options") = nb::dict())
       .def(
           "counters",
           [](Engine& e) {

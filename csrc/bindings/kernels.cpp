@@ -29,6 +29,7 @@ nb::dict counters_dict(const Counters& c) {
   d["dispatches"] = c.dispatches;
   d["stages"] = c.stages;
   d["cpu_waits"] = c.cpu_waits;
+  d["cpu_waits_in_step"] = c.cpu_waits_in_step;
   d["command_buffers"] = c.command_buffers;
   for (size_t r = 0; r < size_t(Role::count); ++r) {
     rd[role_name(Role(r))] = c.bytes_read[r];
@@ -43,8 +44,9 @@ nb::dict counters_dict(const Counters& c) {
   return d;
 }
 
-KernelRun::KernelRun(int order, uint64_t seed, int workers, bool count_bytes) {
+KernelRun::KernelRun(int order, uint64_t seed, int workers, bool count_bytes, int tensor_ops) {
   EmuOptions o;
+  o.tensor_ops = tensor_ops;
   o.order = order;
   o.seed = seed;
   o.workers = workers;

@@ -2,6 +2,8 @@
 // Previous hop: tests/test_dense.py; next hop: encode_project (qgemv for T == 1, qgemm for T > 1).
 #include "kernels.h"
 
+#include <nanobind/stl/string.h>
+
 #include <stdexcept>
 #include <string>
 
@@ -19,9 +21,14 @@ void init_kernels_dense(nb::module_& k) {
       "project",
       [](const HostArray<uint8_t>& w, const HostArray<uint16_t>& scales, const HostArray<uint16_t>& biases, int bits,
          int rows, int cols, const HostArray<uint16_t>& x, int mode, const HostArray<float>& residual, int order,
-         uint64_t seed, uint64_t weight_skew) {
+         uint64_t seed, uint64_t weight_skew, bool tensor_ops, const std::string& path) {
         if (mode < 0 || mode > 2) throw std::invalid_argument("[kernels] mode: 0 bf16, 1 f32, 2 f32 add");
-        KernelRun run(order, seed);
+        GemmPath p;
+        if (path == "auto") p = GemmPath::automatic;
+        else if (path == "simdgroup") p = GemmPath::simdgroup;
+        else if (path == "tensor") p = GemmPath::tensor;
+        else throw std::invalid_argument("[kernels] path: 'auto', 'simdgroup' or 'tensor'");
+        KernelRun run(order, seed, 0, true, tensor_ops ? 1 : 0);
         const DeviceMatrix W = upload_matrix(run, w, scales, biases, bits, rows, cols, weight_skew);
         const int T = int(x.shape(0));
         if (int(x.shape(1)) != cols) throw std::invalid_argument("[kernels] x must be bf16 [T, cols]");
@@ -35,7 +42,7 @@ void init_kernels_dense(nb::module_& k) {
           out = run.alloc(uint64_t(T) * rows * (m == OutMode::bf16 ? 2 : 4), Role::activations, "out");
         }
         run.device().reset_counters();  // count the projection only, not the uploads
-        run.encode([&](Encoder& enc) { encode_project(enc, W, {in}, {out}, T, m); });
+        run.encode([&](Encoder& enc) { encode_project(enc, W, {in}, {out}, T, m, p); });
         nb::dict d;
         if (m == OutMode::bf16)
           d["out"] = run.download<uint16_t>(out, {size_t(T), size_t(rows)});
@@ -47,9 +54,11 @@ void init_kernels_dense(nb::module_& k) {
       },
       nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::arg("rows"), nb::arg("cols"),
       nb::arg("x"), nb::arg("mode"), nb::arg("residual"), nb::arg("order") = 0, nb::arg("seed") = 0,
-      nb::arg("weight_skew") = 0,
+      nb::arg("weight_skew") = 0, nb::arg("tensor_ops") = false, nb::arg("path") = "auto",
       "out [T, rows] (op)= x bf16 [T, cols] . W^T through encode_project. mode 0: bf16 out (uint16), 1: f32 "
       "out, 2: added into `residual` f32 [T, rows] (ignored otherwise). weight_skew: bytes before every weight "
-      "array in its buffer (unaligned tensors, as MLX writes them). Returns {'out', 'matrix_bytes', "
+      "array in its buffer (unaligned tensors, as MLX writes them). tensor_ops: the emulated device reports Metal 4 "
+      "tensor ops, so T > 1 takes the matmul2d GEMM (qgemm_tensor_*); path: 'auto' (the device decides), "
+      "'simdgroup' or 'tensor' (forced; needs tensor_ops). Returns {'out', 'matrix_bytes', "
       "'counters'}.");
 }

@@ -594,6 +594,8 @@ def preprocess(clang, metal, args):
            f"-D__METAL_VERSION__={args.metal_version}", "-D__METAL__=1", "-DMSLEMU=1", "-I", INCLUDE]
     if args.metal_version >= 310:
         cmd.append("-D__HAVE_BFLOAT__=1")
+    if args.metal_version >= 400:
+        cmd.append("-D__HAVE_TENSOR__=1")
     cmd += [f"-D{d}" for d in args.define]
     for i in args.include:
         cmd += ["-I", i]
@@ -604,6 +606,18 @@ def preprocess(clang, metal, args):
     return r.stdout
 
 
+TENSOR_HEADERS = {os.path.join(INCLUDE, "metal_tensor"),
+                  os.path.join(INCLUDE, "MetalPerformancePrimitives", "MetalPerformancePrimitives.h")}
+TENSOR_MARK = "#define MSLEMU_TENSOR 1\n"
+
+
+def kernel_flags(unit):
+    """KERNEL_FLAGS, as C++20 for a tensor unit (matmul2d's descriptor is a class-type template argument)."""
+    if unit.startswith(TENSOR_MARK):
+        return ["-std=c++20" if f == "-std=c++17" else f for f in KERNEL_FLAGS]
+    return KERNEL_FLAGS
+
+
 def lower_file(clang, metal, args):
     """-> (translation unit text, source files it came from, host kernel names)"""
     pre = preprocess(clang, metal, args)
@@ -611,6 +625,9 @@ def lower_file(clang, metal, args):
         lw = Lowering(pre, metal)
         lw.run()
         unit = '#include "mslemu/msl.h"\n' + lw.output() + "\n" + lw.registration()
+        # A unit that includes the Metal 4 tensor headers gets the tensor shim (mslemu/tensor.h) and C++20.
+        if any(os.path.abspath(m.group(2)) in TENSOR_HEADERS for m in MARKER_RE.finditer(pre)):
+            unit = TENSOR_MARK + unit
     except LowerError as e:
         sys.stderr.write(f"{e}\n")
         sys.exit(1)
@@ -688,7 +705,7 @@ def main():
             with tempfile.NamedTemporaryFile("w", suffix=".cpp", prefix="mslemu_check_") as f:
                 f.write(unit)
                 f.flush()
-                r = subprocess.run([clang, *KERNEL_FLAGS, "-I", INCLUDE, "-fsyntax-only", f.name])
+                r = subprocess.run([clang, *kernel_flags(unit), "-I", INCLUDE, "-fsyntax-only", f.name])
             if r.returncode == 0:
                 print(f"{metal}: OK ({len(hosts)} kernels: {', '.join(hosts)})")
             sys.exit(r.returncode)
@@ -699,7 +716,7 @@ def main():
             return
         cpp = os.path.splitext(args.out)[0] + ".cpp"
         write_if_changed(cpp, unit)
-        compile_unit(clang, cpp, args.out, KERNEL_FLAGS, args.depfile, sources)
+        compile_unit(clang, cpp, args.out, kernel_flags(unit), args.depfile, sources)
     elif args.mode == "runtime":
         compile_unit(clang, RUNTIME, args.out, COMMON_FLAGS + ["-Wall", "-Wextra"], args.depfile, [])
     elif args.mode == "link":

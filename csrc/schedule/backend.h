@@ -4,6 +4,7 @@
 // Metal kernels into a command buffer (on a Mac, or through the MSL emulator anywhere).
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +72,30 @@ class Backend {
   virtual void rmsnorm(Act in, Act out, const Vec& w, int T) = 0;      // out ← RMSNorm(in) · w
   // out ← W·in, or out += W·in (the residual add of out projections).
   virtual void project(Act in, Act out, const Linear& W, int T, bool accumulate) = 0;
+
+  // ---- fused variants the schedule chooses (STYLE.md): each default runs the plain ops above, which is what
+  // the reference backend does; a GPU backend may run them as one kernel.
+  // out_i ← W_i · RMSNorm(in) · w for the projections sharing the normed row (GDN in_proj qkv/z/b/a,
+  // attention q/k/v). Afterwards xn is unspecified (a fused kernel keeps the normed row on chip).
+  struct Projection {
+    const Linear* W;
+    Act out;
+  };
+  virtual void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps, int T) {
+    rmsnorm(in, Act::xn, w, T);
+    for (const Projection& p : ps) project(Act::xn, p.out, *p.W, T, false);
+  }
+  // xn ← RMSNorm(x) · w, then moe_route: the MoE's norm and routing (fused: one dispatch computes the router
+  // and shared-gate logits, the top-k moves into the experts' first GEMV).
+  virtual void moe_norm_route(int layer, const Vec& w, int T) {
+    rmsnorm(Act::x, Act::xn, w, T);
+    moe_route(layer, T);
+  }
+  // attn_prepare + attn_decode of one row (fused: the q/k preparation inside the attention kernel).
+  virtual void attn_prepare_decode(int layer, int64_t pos) {
+    attn_prepare(layer, 1, pos);
+    attn_decode(layer, pos);
+  }
 
   // Gated DeltaNet: conv + SiLU, l2-norm of q/k, gates, delta-rule recurrence, gated RMSNorm.
   // Reads qkv, z, beta, alpha; writes mix [T, V_dim]; updates the layer's conv and recurrent state.

@@ -13,24 +13,22 @@ static void layer_stack(Backend& b, const Model& m, int T, int64_t pos, Phase ph
   const bool decode = phase == Phase::decode;
   for (int i = 0; i < c.layers; ++i) {
     const LayerWeights& L = m.layers[i];
-    b.rmsnorm(Act::x, Act::xn, L.input_norm, T);
     if (c.is_attention(i)) {
-      b.project(Act::xn, Act::q_gate, L.attn.q, T, false);
-      b.project(Act::xn, Act::k, L.attn.k, T, false);
-      b.project(Act::xn, Act::v, L.attn.v, T, false);
-      b.attn_prepare(i, T, pos);
-      if (decode) b.attn_decode(i, pos); else b.attn_prefill(i, T, pos);
+      b.norm_project(Act::x, L.input_norm, {{&L.attn.q, Act::q_gate}, {&L.attn.k, Act::k}, {&L.attn.v, Act::v}}, T);
+      if (decode) {
+        b.attn_prepare_decode(i, pos);
+      } else {
+        b.attn_prepare(i, T, pos);
+        b.attn_prefill(i, T, pos);
+      }
       b.project(Act::mix, Act::x, L.attn.o, T, true);
     } else {
-      b.project(Act::xn, Act::qkv, L.gdn.qkv, T, false);
-      b.project(Act::xn, Act::z, L.gdn.z, T, false);
-      b.project(Act::xn, Act::beta, L.gdn.b, T, false);
-      b.project(Act::xn, Act::alpha, L.gdn.a, T, false);
+      b.norm_project(Act::x, L.input_norm,
+                     {{&L.gdn.qkv, Act::qkv}, {&L.gdn.z, Act::z}, {&L.gdn.b, Act::beta}, {&L.gdn.a, Act::alpha}}, T);
       if (decode) b.gdn_decode(i); else b.gdn_prefill(i, T);
       b.project(Act::mix, Act::x, L.gdn.out, T, true);
     }
-    b.rmsnorm(Act::x, Act::xn, L.post_norm, T);
-    b.moe_route(i, T);
+    b.moe_norm_route(i, L.post_norm, T);
     if (decode) b.moe_decode(i); else b.moe_prefill(i, T);
   }
 }

@@ -587,6 +587,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kwargs["count_bytes"] = args.counters
     if args.prefill_chunk:
         kwargs["prefill_chunk"] = args.prefill_chunk
+    if args.metal_options:
+        kwargs["metal_options"] = json.loads(args.metal_options)
     engine = Engine.from_pretrained(args.model, backend=args.backend, **kwargs)
     phases = tuple(p for p in ("prefill", "decode") if p not in (args.skip or []))
     try:
@@ -646,6 +648,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--mlx-model", help="checkpoint directory for MLX-LM (default: the --model checkpoint)")
     b.add_argument("--counters", action="store_true",
                    help="record Engine.counters() per phase and length (metal-emu / metal backends)")
+    b.add_argument("--metal-options", metavar="JSON",
+                   help="MetalOptions ablation switches, e.g. '{\"fuse_route\": false}' (docs/performance.md)")
     b.add_argument("--json", metavar="FILE", help="write every figure, the settings and the run order as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="write throughput and ratio plots (needs matplotlib)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

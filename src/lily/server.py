@@ -231,14 +231,6 @@ def _common_prefix(a, b) -> int:
     return n
 
 
-def _live_bytes(session: "Session") -> int:
-    # Adapter: Session has no public size of its live state (snapshots have nbytes).
-    try:
-        return int(session.engine._core.state_bytes(session._core))
-    except Exception:  # noqa: BLE001 -- an estimate for the budget only
-        return 0
-
-
 class PrefixCache:
     """Finished requests' sessions, for prefix reuse: LRU, at most `max_sessions` sessions and `max_bytes` of state
     (live states plus distinct snapshots). Runs on the engine thread only."""
@@ -306,7 +298,7 @@ class PrefixCache:
     def _size(self) -> int:
         seen, total = set(), 0
         for s in self._sessions:
-            total += _live_bytes(s)
+            total += s.state_bytes
             for x in s.snapshots:
                 if id(x) not in seen:
                     seen.add(id(x))

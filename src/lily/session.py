@@ -123,6 +123,11 @@ class Session:
     def snapshot_bytes(self) -> int:
         return sum(s.nbytes for s in self.snapshots)
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the live state (KV cache as allocated, conv and recurrent state)."""
+        return int(self.engine._core.state_bytes(self._core))
+
     def fork(self) -> "Session":
         """An independent copy: the live state is copied, snapshots (immutable) are shared."""
         f = Session(self.engine, self.engine._core.clone_session(self._core), snapshot_budget=self.snapshot_budget)

@@ -11,7 +11,7 @@
 
 namespace lily::metal {
 
-static_assert(sizeof(AttnPrepareArgs) == 36 && sizeof(AttnArgs) == 44);
+static_assert(sizeof(AttnPrepareArgs) == 36 && sizeof(AttnArgs) == 56);
 
 struct AttnScratch {
   std::shared_ptr<Buffer> q;        // bf16 [max_rows, n_q, d]: normed + roped queries from attn_prepare
@@ -44,19 +44,25 @@ void check_rows(const AttnScratch& s, int T, int64_t pos, int64_t capacity, cons
 }
 
 // Query heads per threadgroup: up to LILY_ATTN_PACK_HEADS of the heads sharing a KV head (a divisor of the group).
-int pack_of(const AttnDevice& A) {
+int pack_of(const AttnDevice& A, int limit = LILY_ATTN_PACK_HEADS) {
   const int group = A.n_q / A.n_kv;
-  for (int p = LILY_ATTN_PACK_HEADS; p > 1; p /= 2)
+  if (limit == 1) return 1;
+  for (int p = limit; p > 1; p /= 2)
     if (group % p == 0) return p;
   return 1;
 }
 
-KernelId attn_kernel(int d, int mode) {  // mode: 0 prefill, 1 decode, 2 decode_split
-  static constexpr KernelId table[4][3] = {
-      {KernelId::attn_prefill_bf16_d32, KernelId::attn_decode_bf16_d32, KernelId::attn_decode_split_bf16_d32},
-      {KernelId::attn_prefill_bf16_d64, KernelId::attn_decode_bf16_d64, KernelId::attn_decode_split_bf16_d64},
-      {KernelId::attn_prefill_bf16_d128, KernelId::attn_decode_bf16_d128, KernelId::attn_decode_split_bf16_d128},
-      {KernelId::attn_prefill_bf16_d256, KernelId::attn_decode_bf16_d256, KernelId::attn_decode_split_bf16_d256}};
+// mode: 0 prefill, 1 decode, 2 decode_split, 3 decode_prep, 4 decode_split_prep
+KernelId attn_kernel(int d, int mode) {
+  static constexpr KernelId table[4][5] = {
+      {KernelId::attn_prefill_bf16_d32, KernelId::attn_decode_bf16_d32, KernelId::attn_decode_split_bf16_d32,
+       KernelId::attn_decode_prep_bf16_d32, KernelId::attn_decode_split_prep_bf16_d32},
+      {KernelId::attn_prefill_bf16_d64, KernelId::attn_decode_bf16_d64, KernelId::attn_decode_split_bf16_d64,
+       KernelId::attn_decode_prep_bf16_d64, KernelId::attn_decode_split_prep_bf16_d64},
+      {KernelId::attn_prefill_bf16_d128, KernelId::attn_decode_bf16_d128, KernelId::attn_decode_split_bf16_d128,
+       KernelId::attn_decode_prep_bf16_d128, KernelId::attn_decode_split_prep_bf16_d128},
+      {KernelId::attn_prefill_bf16_d256, KernelId::attn_decode_bf16_d256, KernelId::attn_decode_split_bf16_d256,
+       KernelId::attn_decode_prep_bf16_d256, KernelId::attn_decode_split_prep_bf16_d256}};
   const int i = d == 32 ? 0 : d == 64 ? 1 : d == 128 ? 2 : 3;
   return table[i][mode];
 }
@@ -65,6 +71,15 @@ KernelId attn_kernel(int d, int mode) {  // mode: 0 prefill, 1 decode, 2 decode_
 // them, but every declared buffer must be bound: a 4-byte read range adds no dependency worth a barrier.
 Binding unused_partial(AttnScratch& s, int slot) {
   return {slot, slot == ATTN_PART_O ? s.part_o.get() : s.part_ml.get(), 0, Access::read, 4};
+}
+
+// The prep variants' inputs, bound (never read) in the other modes like the unused partials.
+struct PrepBindings {
+  Binding k, v, qn, kn;
+};
+PrepBindings unused_prep(AttnScratch& s) {
+  return {{ATTN_K_NEW, s.part_ml.get(), 0, Access::read, 4}, {ATTN_V_NEW, s.part_ml.get(), 0, Access::read, 4},
+          {ATTN_Q_NORM, s.part_ml.get(), 0, Access::read, 4}, {ATTN_K_NORM, s.part_ml.get(), 0, Access::read, 4}};
 }
 
 uint64_t cache_bytes(const AttnDevice& A, int64_t capacity) { return uint64_t(A.n_kv) * capacity * A.head_dim * 2; }
@@ -112,18 +127,20 @@ void encode_attn_prepare(Encoder& enc, AttnScratch& s, const AttnDevice& A, View
 }
 
 void encode_attn_prefill(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int T, int64_t pos,
-                         View k_cache, View v_cache, int64_t capacity, View out) {
+                         View k_cache, View v_cache, int64_t capacity, View out, int pack_limit) {
   check(A, "attn_prefill");
   check_rows(s, T, pos, capacity, "attn_prefill");
-  const int pack = pack_of(A);
+  const int pack = pack_of(A, pack_limit ? pack_limit : LILY_ATTN_PACK_HEADS);
   // Rows per threadgroup: fill LILY_ATTN_MAX_ITEMS simdgroups, so that each staged KV tile serves
   // pack × rows (head, row) items; no more rows than the chunk has.
   const int rows = std::min(LILY_ATTN_MAX_ITEMS / pack, T);
   const AttnArgs args{.T = T, .pos = int32_t(pos), .n_q = A.n_q, .n_kv = A.n_kv, .head_dim = A.head_dim,
                       .capacity = int32_t(capacity), .pack = pack, .rows = rows, .block = 0, .blocks = 1,
-                      .scale = 1.f / std::sqrt(float(A.head_dim))};
+                      .scale = 1.f / std::sqrt(float(A.head_dim)), .rotary_dim = A.rotary_dim, .rope_theta = A.rope_theta,
+                .eps = A.eps};
   const uint64_t d = uint64_t(A.head_dim);
   const Grid groups{uint32_t(A.n_q / pack), uint32_t((T + rows - 1) / rows), 1};
+  const PrepBindings np = unused_prep(s);
   const Grid threads{uint32_t(LILY_SIMD_WIDTH * pack * rows), 1, 1};
   enc.dispatch(attn_kernel(A.head_dim, 0), groups, threads, args,
                {{ATTN_Q, s.q.get(), 0, Access::read, uint64_t(T) * A.n_q * d * 2},
@@ -131,31 +148,48 @@ void encode_attn_prefill(Encoder& enc, AttnScratch& s, const AttnDevice& A, View
                 {ATTN_K_CACHE, k_cache.buffer, k_cache.offset, Access::read, cache_bytes(A, capacity)},
                 {ATTN_V_CACHE, v_cache.buffer, v_cache.offset, Access::read, cache_bytes(A, capacity)},
                 {ATTN_OUT, out.buffer, out.offset, Access::write, uint64_t(T) * A.n_q * d * 2},
-                unused_partial(s, ATTN_PART_O), unused_partial(s, ATTN_PART_ML)});
+                unused_partial(s, ATTN_PART_O), unused_partial(s, ATTN_PART_ML), np.k, np.v, np.qn, np.kn});
 }
 
 void encode_attn_decode(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int64_t pos, View k_cache,
-                        View v_cache, int64_t capacity, View out, AttnDecodePath path, int split_block) {
+                        View v_cache, int64_t capacity, View out, AttnDecodePath path, int split_block, int pack_limit,
+                        AttnPrepareInputs prep) {
   check(A, "attn_decode");
   check_rows(s, 1, pos, capacity, "attn_decode");
+  const bool fused = prep.k.buffer != nullptr;
+  if (fused && (A.q_norm.size != A.head_dim || A.k_norm.size != A.head_dim))
+    throw std::invalid_argument("[attn_decode] q/k norm weights of " + std::to_string(A.q_norm.size) + "/" +
+                                std::to_string(A.k_norm.size) + " for d " + std::to_string(A.head_dim));
   const int64_t context = pos + 1;
   if (path == AttnDecodePath::automatic)
     path = context >= LILY_ATTN_SPLIT_MIN_CONTEXT && A.head_dim == 256 && A.n_q / A.n_kv == 8 ? AttnDecodePath::split
                                                                                                : AttnDecodePath::general;
-  const int pack = pack_of(A);
+  const int pack = pack_of(A, pack_limit ? pack_limit : LILY_ATTN_PACK_HEADS);
   const uint64_t d = uint64_t(A.head_dim);
   AttnArgs args{.T = 1, .pos = int32_t(pos), .n_q = A.n_q, .n_kv = A.n_kv, .head_dim = A.head_dim,
                 .capacity = int32_t(capacity), .pack = pack, .rows = 1, .block = 0, .blocks = 1,
-                .scale = 1.f / std::sqrt(float(A.head_dim))};
-  const Binding bq{ATTN_Q, s.q.get(), 0, Access::read, uint64_t(A.n_q) * d * 2};
+                .scale = 1.f / std::sqrt(float(A.head_dim)), .rotary_dim = A.rotary_dim, .rope_theta = A.rope_theta,
+                .eps = A.eps};
+  // The fused variants read the raw q rows from q_gate instead of the prepared queries and write row pos of
+  // the caches (declared as read-write of the whole cache, one range per binding).
+  const Binding bq = fused ? Binding{ATTN_Q, s.q.get(), 0, Access::read, 4}
+                           : Binding{ATTN_Q, s.q.get(), 0, Access::read, uint64_t(A.n_q) * d * 2};
   const Binding bg{ATTN_Q_GATE, q_gate.buffer, q_gate.offset, Access::read, uint64_t(A.n_q) * 2 * d * 2};
-  const Binding bk{ATTN_K_CACHE, k_cache.buffer, k_cache.offset, Access::read, cache_bytes(A, capacity)};
-  const Binding bv{ATTN_V_CACHE, v_cache.buffer, v_cache.offset, Access::read, cache_bytes(A, capacity)};
+  const Access cache_access = fused ? Access::read_write : Access::read;
+  const Binding bk{ATTN_K_CACHE, k_cache.buffer, k_cache.offset, cache_access, cache_bytes(A, capacity)};
+  const Binding bv{ATTN_V_CACHE, v_cache.buffer, v_cache.offset, cache_access, cache_bytes(A, capacity)};
+  const PrepBindings np =
+      fused ? PrepBindings{{ATTN_K_NEW, prep.k.buffer, prep.k.offset, Access::read, uint64_t(A.n_kv) * d * 2},
+                           {ATTN_V_NEW, prep.v.buffer, prep.v.offset, Access::read, uint64_t(A.n_kv) * d * 2},
+                           {ATTN_Q_NORM, A.q_norm.buffer, A.q_norm.offset, Access::read, d * 4},
+                           {ATTN_K_NORM, A.k_norm.buffer, A.k_norm.offset, Access::read, d * 4}}
+            : unused_prep(s);
   const Binding bo{ATTN_OUT, out.buffer, out.offset, Access::write, uint64_t(A.n_q) * d * 2};
   const Grid threads{uint32_t(LILY_SIMD_WIDTH * pack), 1, 1};
   if (path == AttnDecodePath::general) {
-    enc.dispatch(attn_kernel(A.head_dim, 1), Grid{uint32_t(A.n_q / pack), 1, 1}, threads, args,
-                 {bq, bg, bk, bv, bo, unused_partial(s, ATTN_PART_O), unused_partial(s, ATTN_PART_ML)});
+    enc.dispatch(attn_kernel(A.head_dim, fused ? 3 : 1), Grid{uint32_t(A.n_q / pack), 1, 1}, threads, args,
+                 {bq, bg, bk, bv, bo, unused_partial(s, ATTN_PART_O), unused_partial(s, ATTN_PART_ML), np.k, np.v, np.qn,
+                  np.kn});
     return;
   }
   // Fixed blocks of `block` keys; past LILY_ATTN_SPLIT_MAX_BLOCKS blocks the blocks grow instead.
@@ -164,10 +198,11 @@ void encode_attn_decode(Encoder& enc, AttnScratch& s, const AttnDevice& A, View 
   args.block = int32_t(block);
   args.blocks = int32_t((context + block - 1) / block);
   const uint64_t po_bytes = uint64_t(A.n_q) * args.blocks * d * 4, ml_bytes = uint64_t(A.n_q) * args.blocks * 2 * 4;
-  enc.dispatch(attn_kernel(A.head_dim, 2), Grid{uint32_t(A.n_q / pack), 1, uint32_t(args.blocks)}, threads, args,
+  enc.dispatch(attn_kernel(A.head_dim, fused ? 4 : 2), Grid{uint32_t(A.n_q / pack), 1, uint32_t(args.blocks)}, threads,
+               args,
                {bq, bg, bk, bv, {ATTN_OUT, out.buffer, out.offset, Access::read, 2},  // bound, never touched
                 {ATTN_PART_O, s.part_o.get(), 0, Access::write, po_bytes},
-                {ATTN_PART_ML, s.part_ml.get(), 0, Access::write, ml_bytes}});
+                {ATTN_PART_ML, s.part_ml.get(), 0, Access::write, ml_bytes}, np.k, np.v, np.qn, np.kn});
   enc.dispatch(KernelId::attn_decode_merge_bf16, Grid{uint32_t(A.n_q), 1, 1}, Grid{uint32_t(d), 1, 1}, args,
                {bg, bo, {ATTN_PART_O, s.part_o.get(), 0, Access::read, po_bytes},
                 {ATTN_PART_ML, s.part_ml.get(), 0, Access::read, ml_bytes}});

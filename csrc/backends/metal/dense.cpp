@@ -7,6 +7,10 @@
 // rows the GEMM reads each weight tile once per 32 tokens instead of once per token. (The write-up found that
 // 2-5-row shapes are poor on this hardware either way; none occur outside speculative decoding, which Lily
 // does not do.)
+//
+// The GEMM has two matrix paths over the same dequantised bf16 tiles: Metal 4 tensor ops (matmul2d, the M5's
+// Neural Accelerators) where the device reports them (Device::has_tensor_ops, copied into Encoder::tensor_ops),
+// simdgroup_matrix elsewhere. Same grid, threads and bindings; fp32 accumulation both ways.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -33,6 +37,11 @@ constexpr KernelId kGemm[3][3] = {
     {KernelId::qgemm_q8_bf16, KernelId::qgemm_q8_f32, KernelId::qgemm_q8_f32add},
     {KernelId::qgemm_bf16_bf16, KernelId::qgemm_bf16_f32, KernelId::qgemm_bf16_f32add},
 };
+constexpr KernelId kGemmTensor[3][3] = {
+    {KernelId::qgemm_tensor_q4_bf16, KernelId::qgemm_tensor_q4_f32, KernelId::qgemm_tensor_q4_f32add},
+    {KernelId::qgemm_tensor_q8_bf16, KernelId::qgemm_tensor_q8_f32, KernelId::qgemm_tensor_q8_f32add},
+    {KernelId::qgemm_tensor_bf16_bf16, KernelId::qgemm_tensor_bf16_f32, KernelId::qgemm_tensor_bf16_f32add},
+};
 
 }  // namespace
 
@@ -53,7 +62,7 @@ MatrixBindings bind_matrix(const DeviceMatrix& W, int slot_w, int slot_s, int sl
   return m;
 }
 
-void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode) {
+void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode, GemmPath path) {
   if (T <= 0) return;
   const std::string shape = "W [" + std::to_string(W.rows) + ", " + std::to_string(W.cols) + "], T " + std::to_string(T);
   if (!W.w || W.rows <= 0 || W.cols <= 0) throw std::invalid_argument("[project] empty matrix: " + shape);
@@ -83,7 +92,10 @@ void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int 
   } else {
     groups = Grid{uint32_t((W.rows + LILY_QGEMM_BN - 1) / LILY_QGEMM_BN), uint32_t((T + LILY_QGEMM_BM - 1) / LILY_QGEMM_BM), 1};
     threads = Grid{uint32_t(LILY_QGEMM_THREADS), 1, 1};
-    k = kGemm[W.format][int(mode)];
+    if (path == GemmPath::tensor && !enc.tensor_ops)
+      throw std::invalid_argument("[project] the tensor-op GEMM was forced on a device without Metal 4 tensor ops: " + shape);
+    const bool tensor = path == GemmPath::tensor || (path == GemmPath::automatic && enc.tensor_ops);
+    k = (tensor ? kGemmTensor : kGemm)[W.format][int(mode)];
   }
   const MatrixBindings m = bind_matrix(W, LILY_DENSE_W, LILY_DENSE_SCALES, LILY_DENSE_BIASES);
   enc.dispatch(k, groups, threads, args,

@@ -53,6 +53,7 @@ struct Counters {
   uint64_t dispatches = 0;
   uint64_t stages = 0;      // dependency stages: barriers + 1 per non-empty encoder
   uint64_t cpu_waits = 0;   // waits for the GPU (command buffer completion, reads of results)
+  uint64_t cpu_waits_in_step = 0;  // of those, waits while a step was being recorded (the backend counts them)
   uint64_t command_buffers = 0;
   uint64_t bytes_read[size_t(Role::count)] = {};
   uint64_t bytes_written[size_t(Role::count)] = {};
@@ -76,6 +77,7 @@ class Encoder {
   }
   void barrier();  // explicit barrier (rarely needed: dependencies are tracked)
   uint64_t dispatches() const { return dispatches_; }
+  bool tensor_ops = false;  // the device's has_tensor_ops(), set by its command buffer (encoders pick kernels)
   uint64_t barriers() const { return barriers_; }
   // What this encoder recorded, as counters of one command buffer: dispatches (also per kernel) and
   // dependency stages (barriers + 1 when anything was dispatched).
@@ -122,6 +124,9 @@ struct EmuOptions {
   uint64_t seed = 0;
   int workers = 0;        // 0 = hardware threads
   bool count_bytes = true;
+  // has_tensor_ops(): -1 = $LILY_METAL_EMU_TENSOR_OPS (unset or "0": no), 0 no, 1 yes (the library is built at
+  // MSL 4.0, so both matrix paths exist; tests run each).
+  int tensor_ops = -1;
 };
 std::unique_ptr<Device> make_emu_device(const std::string& library, const EmuOptions& options);
 #ifdef __APPLE__

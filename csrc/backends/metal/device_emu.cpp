@@ -14,6 +14,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -125,7 +126,7 @@ class EmuEncoder final : public Encoder {
 
 class EmuCommandBuffer final : public CommandBuffer {
  public:
-  explicit EmuCommandBuffer(EmuDevice& dev) : dev_(dev) {}
+  explicit EmuCommandBuffer(EmuDevice& dev);
   Encoder& encoder() override { return encoder_; }
   void commit() override;
   void wait() override;
@@ -143,6 +144,10 @@ class EmuDevice final : public Device {
  public:
   EmuDevice(const std::string& library, const EmuOptions& options) : lib_(load_library(library)), options_(options) {
     if (options_.workers <= 0) options_.workers = int(std::max(1u, std::thread::hardware_concurrency()));
+    if (options_.tensor_ops < 0) {
+      const char* env = std::getenv("LILY_METAL_EMU_TENSOR_OPS");
+      options_.tensor_ops = env && *env && std::strcmp(env, "0") != 0 ? 1 : 0;
+    }
     std::string missing;
     int n_missing = 0;
     for (size_t i = 0; i < size_t(KernelId::count); ++i) {
@@ -184,7 +189,7 @@ class EmuDevice final : public Device {
 
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(*this); }
   bool has_bf16() const override { return true; }
-  bool has_tensor_ops() const override { return false; }  // matmul2d is not emulated (yet)
+  bool has_tensor_ops() const override { return options_.tensor_ops > 0; }  // EmuOptions: both paths are emulated
   Counters counters() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return counters_;
@@ -267,6 +272,8 @@ class EmuDevice final : public Device {
   mutable std::mutex mu_;
   Counters counters_;
 };
+
+EmuCommandBuffer::EmuCommandBuffer(EmuDevice& dev) : dev_(dev) { encoder_.tensor_ops = dev.has_tensor_ops(); }
 
 void EmuCommandBuffer::commit() {
   if (committed_) throw std::logic_error("[metal-emu] command buffer committed twice");

@@ -70,7 +70,22 @@ void encode_copy_rows(Encoder& enc, View src, View dst, int rows, uint64_t row_b
 enum class OutMode : uint8_t { bf16, f32, f32_add };  // store bf16 / store f32 / add into f32 (residual)
 // out[t, r] (op)= Σ_c W[r, c] · in[t, c]  (in bf16 [T, cols]). T == 1 runs the row-parallel GEMV;
 // T > 1 the tiled GEMM that dequantises a weight tile into threadgroup memory (never a bf16 copy of W).
-void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode);
+// The GEMM's matrix path: automatic = Metal 4 tensor ops (qgemm_tensor_*, matmul2d) where the device has
+// them (enc.tensor_ops), simdgroup_matrix (qgemm_*) elsewhere; tests force one (tensor needs enc.tensor_ops).
+enum class GemmPath : uint8_t { automatic, simdgroup, tensor };
+void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode,
+                    GemmPath path = GemmPath::automatic);
+
+// ---------------------------------------------------------------- proj (metal/proj.metal)
+// Decode (one row): out_m ← W_m · bf16(RMSNorm(x) · w) for n ≤ 4 matrices sharing the normed row, in one
+// dispatch (x f32 [H], outputs bf16 or f32 [rows_m]); xn (when its buffer is set) also receives the normed row
+// bf16 [H] for later consumers.
+struct ProjTarget {
+  const DeviceMatrix* W;
+  View out;
+};
+void encode_norm_project(Encoder& enc, View x, const DeviceVec& w, float eps, int H, const ProjTarget* targets, int n,
+                         bool f32_out, View xn = {});
 
 // ---------------------------------------------------------------- moe (metal/moe.metal)
 struct MoeDevice {
@@ -92,7 +107,14 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
                         int tile_rows = 0);
 // Decode (T = 1): fused gate/up + SwiGLU per selected expert and the shared expert; fused down + routing
 // weight + shared expert gate, added into x.
-void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x);
+// topk_fused: the router logits and the shared gate logit are already in the scratch (encode_moe_route_norm
+// wrote them): the gate/up GEMV recomputes the top-k itself and stores ids / weights for the down GEMV.
+void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x,
+                       bool topk_fused = false);
+// Decode: xn ← bf16(RMSNorm(x) · w), router logits and the shared gate logit in one proj_norm dispatch, into
+// the scratch (the top-k follows inside encode_moe_decode(..., topk_fused = true)).
+void encode_moe_route_norm(Encoder& enc, MoeScratch& s, const MoeDevice& M, View x, const DeviceVec& w, float eps,
+                           View xn);
 
 // ---------------------------------------------------------------- gdn (metal/gdn.metal)
 struct GdnDevice {
@@ -126,14 +148,21 @@ View attn_scratch_queries(AttnScratch& s);
 void encode_attn_prepare(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, View k, View v, int T,
                          int64_t pos, View k_cache, View v_cache, int64_t capacity);
 // Causal attention of T rows over the cache, ⊙ σ(gate) → out bf16 [T, n_q·d].
+// pack_limit: query heads per threadgroup at most (0 = LILY_ATTN_PACK_HEADS; 1 = no GQA packing, the ablation).
 void encode_attn_prefill(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int T, int64_t pos,
-                         View k_cache, View v_cache, int64_t capacity, View out);
+                         View k_cache, View v_cache, int64_t capacity, View out, int pack_limit = 0);
 // Decode: GQA-packed (each KV row loaded once for the query heads that share it). `automatic` takes the
 // fixed-block (split-KV) path at contexts >= LILY_ATTN_SPLIT_MIN_CONTEXT for d = 256 and GQA 8, else the
 // general one; tests force either. split_block: keys per block of the split path (0 = LILY_ATTN_SPLIT_BLOCK).
+// prep.k set: the fused variant (attn_decode[_split]_prep): the q/k norm + RoPE and the KV-row write of
+// attn_prepare happen inside, from the raw projections q_gate, prep.k, prep.v (no attn_prepare dispatch).
 enum class AttnDecodePath : uint8_t { automatic, general, split };
+struct AttnPrepareInputs {
+  View k, v;  // bf16 [n_kv, d] projected key / value rows of the step
+};
 void encode_attn_decode(Encoder& enc, AttnScratch& s, const AttnDevice& A, View q_gate, int64_t pos,
                         View k_cache, View v_cache, int64_t capacity, View out,
-                        AttnDecodePath path = AttnDecodePath::automatic, int split_block = 0);
+                        AttnDecodePath path = AttnDecodePath::automatic, int split_block = 0, int pack_limit = 0,
+                        AttnPrepareInputs prep = {});
 
 }  // namespace lily::metal

@@ -37,8 +37,11 @@ struct MetalState final : State {
 
 class MetalBackendImpl final : public MetalBackend {
  public:
-  MetalBackendImpl(const Model& m, std::unique_ptr<Device> device, int max_rows)
-      : m_(m), c_(m.config()), dev_(std::move(device)), rows_(max_rows) {
+  MetalBackendImpl(const Model& m, std::unique_ptr<Device> device, int max_rows, const MetalOptions& options)
+      : m_(m), c_(m.config()), dev_(std::move(device)), rows_(max_rows), opt_(options) {
+    if (opt_.attn_path < 0 || opt_.attn_path > 2) throw std::invalid_argument("[metal] attn_path must be 0, 1 or 2");
+    if (opt_.moe_tile_rows != 0 && opt_.moe_tile_rows != 16 && opt_.moe_tile_rows != 32)
+      throw std::invalid_argument("[metal] moe_tile_rows must be 0, 16 or 32");
     if (max_rows <= 0) throw std::invalid_argument("[metal] max_rows must be positive");
     // The weights: each mapped file becomes one buffer, without copying where the platform allows.
     // Alignment decision: a tensor of an MLX-written file may start at any byte (mlx does not pad the
@@ -87,6 +90,7 @@ class MetalBackendImpl final : public MetalBackend {
     grow_logits(1);
     route_ids_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.ids");
     route_w_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.weights");
+    route_ids_host_ = dev_->alloc(uint64_t(c_.top_k) * 4, Role::io, "moe.ids_host");
     for (auto& slot : tokens_) slot = dev_->alloc(uint64_t(rows_) * 4, Role::io, "tokens");
     // Family scratch, sized by the first layer of each kind (every layer of a kind has one geometry).
     moe_scratch_ = make_moe_scratch(*dev_, moe_[0], rows_);
@@ -278,6 +282,9 @@ class MetalBackendImpl final : public MetalBackend {
     enc_ = nullptr;
     phase_ = decode_ ? Phase::decode : Phase::prefill;
     account(false);
+    last_[int(phase_)].cpu_waits_in_step = in_step_waits_;
+    total_[int(phase_)].cpu_waits_in_step += in_step_waits_;
+    in_step_waits_ = 0;
   }
 
   void read_logits(float* out, int rows) override {
@@ -320,6 +327,29 @@ class MetalBackendImpl final : public MetalBackend {
                    f32 ? (accumulate ? OutMode::f32_add : OutMode::f32) : OutMode::bf16);
   }
 
+  void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps, int T) override {
+    if (T != 1 || !opt_.fuse_norm_project || !proj_fits() || in != Act::x || ps.size() > size_t(LILY_PROJ_MAX_MATRICES))
+      return Backend::norm_project(in, w, ps, T);
+    ProjTarget t[LILY_PROJ_MAX_MATRICES];
+    int n = 0;
+    for (const Projection& p : ps) t[n++] = {&matrix_of(*p.W), view(p.out)};
+    encode_norm_project(enc(), view(Act::x), vec_of(w), c_.rms_eps, c_.hidden, t, n, false);
+  }
+
+  void moe_norm_route(int layer, const Vec& w, int T) override {
+    if (T != 1 || !opt_.fuse_route || !opt_.gpu_routing || !proj_fits()) return Backend::moe_norm_route(layer, w, T);
+    encode_moe_route_norm(enc(), *moe_scratch_, moe_[layer], view(Act::x), vec_of(w), c_.rms_eps, view(Act::xn));
+    topk_pending_ = true;
+  }
+
+  void attn_prepare_decode(int layer, int64_t pos) override {
+    if (!opt_.fuse_attn_prepare) return Backend::attn_prepare_decode(layer, pos);
+    decode_ = true;
+    encode_attn_decode(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), pos, {s_->k[layer].get()},
+                       {s_->v[layer].get()}, s_->capacity, view(Act::mix), AttnDecodePath(opt_.attn_path), 0,
+                       opt_.gqa_pack ? 0 : 1, AttnPrepareInputs{view(Act::k), view(Act::v)});
+  }
+
   void gdn_prefill(int layer, int T) override {
     encode_gdn_prefill(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
                        view(Act::alpha), T, {s_->conv[layer].get()}, {s_->rec[layer].get()}, view(Act::mix));
@@ -336,12 +366,13 @@ class MetalBackendImpl final : public MetalBackend {
   }
   void attn_prefill(int layer, int T, int64_t pos) override {
     encode_attn_prefill(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), T, pos, {s_->k[layer].get()},
-                        {s_->v[layer].get()}, s_->capacity, view(Act::mix));
+                        {s_->v[layer].get()}, s_->capacity, view(Act::mix), opt_.gqa_pack ? 0 : 1);
   }
   void attn_decode(int layer, int64_t pos) override {
     decode_ = true;
     encode_attn_decode(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), pos, {s_->k[layer].get()},
-                       {s_->v[layer].get()}, s_->capacity, view(Act::mix));
+                       {s_->v[layer].get()}, s_->capacity, view(Act::mix), AttnDecodePath(opt_.attn_path), 0,
+                       opt_.gqa_pack ? 0 : 1);
   }
 
   void moe_route(int layer, int T) override {
@@ -349,18 +380,39 @@ class MetalBackendImpl final : public MetalBackend {
   }
   void moe_prefill(int layer, int T) override {
     encode_moe_prefill(enc(), *moe_scratch_, moe_[layer], view(Act::xn), {route_ids_.get()}, {route_w_.get()}, T,
-                       view(Act::x));
+                       view(Act::x), opt_.moe_tile_rows);
   }
   void moe_decode(int layer) override {
     decode_ = true;
-    encode_moe_decode(enc(), *moe_scratch_, moe_[layer], view(Act::xn), {route_ids_.get()}, {route_w_.get()},
-                      view(Act::x));
+    View ids{route_ids_.get()};
+    if (!opt_.gpu_routing) {
+      // The CPU-wait ablation: submit what was recorded (through the top-k), wait, read the expert ids and
+      // hand them back through a CPU-written buffer, then record the experts in a new command buffer.
+      cb_->commit();
+      cb_->wait();
+      ++in_step_waits_;
+      for (auto& b : retired_recording_) retired_inflight_.push_back(std::move(b));
+      retired_recording_.clear();
+      std::memcpy(route_ids_host_->contents(), route_ids_->contents(), size_t(c_.top_k) * 4);
+      cb_ = dev_->command_buffer();
+      enc_ = &cb_->encoder();
+      ids = {route_ids_host_.get()};
+    }
+    encode_moe_decode(enc(), *moe_scratch_, moe_[layer], view(Act::xn), ids, {route_w_.get()}, view(Act::x),
+                      topk_pending_);
+    topk_pending_ = false;
   }
 
   void lm_head(int first, int rows) override {
     check_rows(rows, "lm_head");
     if (rows > logit_capacity_) grow_logits(rows);
     logit_rows_ = rows;
+    if (rows == 1 && opt_.fuse_norm_project && proj_fits()) {
+      const ProjTarget t{&lm_head_, view(Act::logits)};
+      encode_norm_project(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, c_.rms_eps, c_.hidden, &t, 1,
+                          true);
+      return;
+    }
     encode_rmsnorm(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, view(Act::xn), rows, c_.hidden,
                    c_.rms_eps);
     encode_project(enc(), lm_head_, view(Act::xn), view(Act::logits), rows, OutMode::f32);
@@ -419,6 +471,9 @@ class MetalBackendImpl final : public MetalBackend {
     return b;
   }
 
+  // proj_norm holds the normed row in threadgroup memory and sweeps it 16 columns a lane.
+  bool proj_fits() const { return c_.hidden % LILY_QGEMV_VALUES == 0 && c_.hidden <= LILY_PROJ_MAX_COLS; }
+
   // ---- activations
   static int elem(Act a) { return a == Act::x || a == Act::logits ? 4 : 2; }
   View view(Act a) const { return {act_[int(a)].get(), 0}; }
@@ -472,7 +527,10 @@ class MetalBackendImpl final : public MetalBackend {
   std::shared_ptr<AttnScratch> attn_scratch_;
   int64_t width_[int(Act::count)] = {};
   std::shared_ptr<Buffer> act_[int(Act::count)];
-  std::shared_ptr<Buffer> route_ids_, route_w_, tokens_[2];
+  std::shared_ptr<Buffer> route_ids_, route_w_, route_ids_host_, tokens_[2];
+  MetalOptions opt_;
+  bool topk_pending_ = false;     // moe_norm_route left the top-k to moe_decode's gate/up GEMV
+  uint64_t in_step_waits_ = 0;    // CPU waits while this step was being recorded
   // Old KV buffers that growth copies read: of the command buffer being recorded / of those committed (Metal
   // retains what a command buffer binds too; the emulator runs a command buffer at commit).
   std::vector<std::shared_ptr<Buffer>> retired_recording_, retired_inflight_;
@@ -487,8 +545,9 @@ class MetalBackendImpl final : public MetalBackend {
 
 }  // namespace
 
-std::unique_ptr<MetalBackend> make_metal_backend(const Model& model, std::unique_ptr<Device> device, int max_rows) {
-  return std::make_unique<MetalBackendImpl>(model, std::move(device), max_rows);
+std::unique_ptr<MetalBackend> make_metal_backend(const Model& model, std::unique_ptr<Device> device, int max_rows,
+                                                const MetalOptions& options) {
+  return std::make_unique<MetalBackendImpl>(model, std::move(device), max_rows, options);
 }
 
 }  // namespace lily::metal

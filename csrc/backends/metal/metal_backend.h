@@ -1,7 +1,7 @@
 // The Metal backend: the schedule's ops (schedule/backend.h) recorded as Metal kernels through the family
 // encoders (encoders.h) on a Device (device.h: MetalDevice on a Mac, EmuDevice anywhere). Previous hop:
 // csrc/schedule/schedule.cpp calls the Backend ops; next hop: encode_* in common/dense/moe/gdn/attn.cpp.
-// One command buffer per prefill chunk or decode step; read_logits is the only CPU wait.
+// One command buffer per prefill chunk or decode step; no CPU wait inside one (counters: cpu_waits_in_step).
 #pragma once
 #include <memory>
 
@@ -12,6 +12,31 @@ namespace lily::metal {
 
 enum class Phase : uint8_t { prefill, decode };
 
+// Switches of the optimisations the write-up measured, for matched ablations (docs/performance.md shows what
+// each changes in the counters; tests/test_metal_goals.py that each gives the same outputs). Defaults: all on.
+// From Python: lily.Engine(ckpt, backend="metal-emu", metal_options={"fuse_route": False, ...}).
+struct MetalOptions {
+  // Decode: each input RMSNorm fused into the projections that consume it, the projections sharing an input
+  // (GDN qkv/z/b/a, attention q/k/v) in one dispatch, the final norm fused into lm_head (proj_norm).
+  // Off: rmsnorm + one qgemv per matrix.
+  bool fuse_norm_project = true;
+  // Decode: post-norm + router + shared-expert gate logits in one dispatch, top-k inside the experts' gate/up
+  // GEMV. Off: rmsnorm, router logits, top-k, shared-gate logit as separate dispatches.
+  bool fuse_route = true;
+  // Decode: q/k RMSNorm + RoPE + KV-row write inside the attention kernel. Off: attn_prepare first.
+  bool fuse_attn_prepare = true;
+  // GQA packing: LILY_ATTN_PACK_HEADS query heads of one KV head per threadgroup. Off: one head each.
+  bool gqa_pack = true;
+  // Decode attention path: 0 automatic (split-KV at >= LILY_ATTN_SPLIT_MIN_CONTEXT for d 256, GQA 8),
+  // 1 always the general path, 2 always the fixed-block split path + merge.
+  int attn_path = 0;
+  // Routing stays on the GPU. Off (the CPU-wait ablation): decode commits after the top-k, waits, reads the
+  // expert ids back and encodes the expert GEMVs in a second command buffer.
+  bool gpu_routing = true;
+  // Prefill grouped-GEMM tile rows: 0 the rule of moe_tile_rows (32 from 32 rows per expert), or 16 / 32.
+  int moe_tile_rows = 0;
+};
+
 class MetalBackend : public lily::Backend {
  public:
   // What the device spent on the last prefill chunk / decode step (cumulative = every one since creation).
@@ -20,6 +45,7 @@ class MetalBackend : public lily::Backend {
 };
 
 // `max_rows`: rows one prefill chunk may have (activation buffers are sized for it).
-std::unique_ptr<MetalBackend> make_metal_backend(const Model& model, std::unique_ptr<Device> device, int max_rows);
+std::unique_ptr<MetalBackend> make_metal_backend(const Model& model, std::unique_ptr<Device> device, int max_rows,
+                                                const MetalOptions& options = {});
 
 }  // namespace lily::metal

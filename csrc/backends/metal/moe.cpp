@@ -27,7 +27,7 @@ static_assert(sizeof(MoeRouteArgs) == 48);
 static_assert(sizeof(MoeGroupArgs) == 16);
 static_assert(sizeof(MoeGemmArgs) == 56);
 static_assert(sizeof(MoeCombineArgs) == 16);
-static_assert(sizeof(MoeGemvArgs) == 88);
+static_assert(sizeof(MoeGemvArgs) == 96);
 
 namespace {
 
@@ -45,6 +45,8 @@ constexpr KernelId kGemmDown[3][2] = {
 };
 constexpr KernelId kGemvGateUp[3] = {KernelId::moe_gemv_gate_up_q4, KernelId::moe_gemv_gate_up_q8,
                                      KernelId::moe_gemv_gate_up_bf16};
+constexpr KernelId kGemvGateUpTopk[3] = {KernelId::moe_gemv_gate_up_topk_q4, KernelId::moe_gemv_gate_up_topk_q8,
+                                         KernelId::moe_gemv_gate_up_topk_bf16};
 constexpr KernelId kGemvDown[3] = {KernelId::moe_gemv_down_q4, KernelId::moe_gemv_down_q8, KernelId::moe_gemv_down_bf16};
 
 uint32_t cdiv(int64_t a, int64_t b) { return uint32_t((a + b - 1) / b); }
@@ -255,7 +257,16 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
                 {LILY_MOE_COMBINE_X, x.buffer, x.offset, Access::read_write, uint64_t(T) * H * 4}});
 }
 
-void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x) {
+void encode_moe_route_norm(Encoder& enc, MoeScratch& s, const MoeDevice& M, View x, const DeviceVec& w, float eps,
+                           View xn) {
+  check_dims(M);
+  check_matrix(M.router, "router", M.experts, M.hidden);
+  const ProjTarget t[2] = {{&M.router, {s.logits.get(), 0}}, {&M.shared_gate, {s.shared_logit.get(), 0}}};
+  encode_norm_project(enc, x, w, eps, M.hidden, t, 2, true, xn);
+}
+
+void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x,
+                       bool topk_fused) {
   check_dims(M);
   const int k = M.top_k, H = M.hidden, I = M.inter, Is = M.shared_inter;
   // One fused dispatch serves the routed and the shared matrices, so they must share a format (they do in
@@ -270,24 +281,33 @@ void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn,
   const uint64_t h_bytes = uint64_t(k + 1) * ld_h * 2, k4 = uint64_t(k) * 4;
   const Grid threads{uint32_t(LILY_MOE_GEMV_SIMDGROUPS * LILY_SIMD_WIDTH), 1, 1};
 
-  encode_logits(enc, s, M.shared_gate, xn, 1, {s.shared_logit.get(), 0});
+  if (!topk_fused) encode_logits(enc, s, M.shared_gate, xn, 1, {s.shared_logit.get(), 0});
   {
     const MatrixBindings g = bind_matrix(M.gate, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0);
     const MatrixBindings u = bind_matrix(M.up, LILY_MOE_GEMV_W1, LILY_MOE_GEMV_S1, LILY_MOE_GEMV_B1);
     const MatrixBindings sg = bind_matrix(M.shared_gate_proj, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0);
     const MatrixBindings su = bind_matrix(M.shared_up, LILY_MOE_GEMV_SW1, LILY_MOE_GEMV_SS1, LILY_MOE_GEMV_SB1);
     const MoeGemvArgs args{.K = H, .N = I, .N_shared = Is, .K_shared = H, .top_k = k, .ld_h = ld_h,
-                           .W = strides(M.gate), .Ws = strides(M.shared_gate_proj)};
-    enc.dispatch(kGemvGateUp[fmt_in], Grid{cdiv(ld_h, LILY_MOE_GEMV_SIMDGROUPS), uint32_t(k + 1), 1}, threads, args,
-                 {{LILY_MOE_GEMV_X, xn.buffer, xn.offset, Access::read, uint64_t(H) * 2},
-                  {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::read, k4}, g.w, g.s, g.b, u.w, u.s, u.b, sg.w,
-                  sg.s, sg.b, su.w, su.s, su.b, {LILY_MOE_GEMV_OUT, s.h.get(), 0, Access::write, h_bytes}});
+                           .experts = M.experts, .pad = 0, .W = strides(M.gate), .Ws = strides(M.shared_gate_proj)};
+    const Grid groups{cdiv(ld_h, LILY_MOE_GEMV_SIMDGROUPS), uint32_t(k + 1), 1};
+    const Binding bx{LILY_MOE_GEMV_X, xn.buffer, xn.offset, Access::read, uint64_t(H) * 2};
+    const Binding bh{LILY_MOE_GEMV_OUT, s.h.get(), 0, Access::write, h_bytes};
+    if (topk_fused)
+      enc.dispatch(kGemvGateUpTopk[fmt_in], groups, threads, args,
+                   {bx, {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::write, k4},
+                    {LILY_MOE_GEMV_WEIGHTS, weights.buffer, weights.offset, Access::write, k4},
+                    {LILY_MOE_GEMV_LOGITS, s.logits.get(), 0, Access::read, uint64_t(M.experts) * 4}, g.w, g.s, g.b,
+                    u.w, u.s, u.b, sg.w, sg.s, sg.b, su.w, su.s, su.b, bh});
+    else
+      enc.dispatch(kGemvGateUp[fmt_in], groups, threads, args,
+                   {bx, {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::read, k4}, g.w, g.s, g.b, u.w, u.s, u.b,
+                    sg.w, sg.s, sg.b, su.w, su.s, su.b, bh});
   }
   {
     const MatrixBindings d = bind_matrix(M.down, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0);
     const MatrixBindings sd = bind_matrix(M.shared_down, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0);
     const MoeGemvArgs args{.K = I, .N = H, .N_shared = H, .K_shared = Is, .top_k = k, .ld_h = ld_h,
-                           .W = strides(M.down), .Ws = strides(M.shared_down)};
+                           .experts = M.experts, .pad = 0, .W = strides(M.down), .Ws = strides(M.shared_down)};
     enc.dispatch(kGemvDown[fmt_down], Grid{cdiv(H, LILY_MOE_GEMV_SIMDGROUPS), 1, 1}, threads, args,
                  {{LILY_MOE_GEMV_X, s.h.get(), 0, Access::read, h_bytes},
                   {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::read, k4},

@@ -17,6 +17,9 @@
 #include "mslemu/math.h"
 #include "mslemu/atomic.h"
 #include "mslemu/simd.h"
+#ifdef MSLEMU_TENSOR  // the unit includes <metal_tensor> or MetalPerformancePrimitives (lower.py)
+#include "mslemu/tensor.h"
+#endif
 
 namespace metal {
 template <class T, uint32_t I> inline bool is_function_constant_defined(const mslemu::FunctionConstant<T, I>&) {

@@ -1,0 +1,161 @@
+"""The decode goals of issue 6 on scaled-down models, so that a regression fails CI (docs/performance.md has the
+numbers at the real dimensions):
+
+* dispatches and dependency stages per decode step, per layer of each kind: two models that differ only in
+  their layer count (DEEP8: 8 layers, and the same geometry cut to 4) give the per-layer cost of a GDN and of
+  an attention layer plus the per-step overhead; extrapolated to Qwen3.6's 30 GDN + 10 attention layers they
+  must stay <= 400 dispatches in <= 250 stages (the schedule's dispatch pattern does not depend on the widths);
+* no CPU wait inside a decode step (the only wait is the token read after the step, to stream it);
+* counted decode bytes <= 1.05x the minimum at a context where the KV cache matters (benchmarks/metal_counters.py's
+  minimum: every needed weight byte once, state read and written once, each KV row read once per KV head);
+* every ablation switch of MetalOptions (csrc/backends/metal/metal_backend.h), on and off, gives the same
+  logits within bf16 noise, and changes the counters the way it claims.
+"""
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tinymodels as tm
+
+lily = pytest.importorskip("lily")
+_core = pytest.importorskip("lily._core")
+pytestmark = pytest.mark.skipif(not _core.kernels.available(), reason="emulated Metal kernel library not built")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import metal_counters as mc  # noqa: E402
+
+GEOM = tm.DEEP8          # 8 layers: 6 GDN + 2 attention
+KIND = "mlx_q4_bf16"
+QWEN_GDN, QWEN_ATTN = 30, 10
+
+
+def _engine(path, **kw):
+    kw.setdefault("count_bytes", False)
+    return lily.Engine.from_pretrained(path, backend="metal-emu", **kw)
+
+
+def _decode_counters(e, prompt, steps=2):
+    s = e.new_session()
+    e.logits(prompt, s)
+    for t in prompt[:steps]:
+        e.logits([t], s)
+    return e.counters()["decode"]["last"]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tm.get_model(GEOM, KIND)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return tm.default_prompt_ids()[:12]
+
+
+def per_layer(model_dir, prompt, **opts):
+    """Decode counters of the model (8 layers: 2 x (3 GDN + 1 attention)) and of its first 4 layers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cut = mc.truncated_model(Path(model_dir), 4, Path(tmp))
+        small = _decode_counters(_engine(cut, metal_options=opts), prompt)
+    full = _decode_counters(_engine(model_dir, metal_options=opts), prompt)
+    types = json.loads((Path(model_dir) / "config.json").read_text())
+    types = types.get("text_config", types)["layer_types"]
+    assert (types.count("linear_attention"), types.count("full_attention")) == (6, 2)
+    return full, small
+
+
+def extrapolate(full, small):
+    """(dispatches, stages) of a 30 GDN + 10 attention step: the 4 extra layers of `full` (3 GDN + 1 attention)
+    are one GDN-attention pattern quarter; scale the per-pattern cost x10 and add the per-step overhead."""
+    res = {}
+    for key in ("dispatches", "stages"):
+        pattern = full[key] - small[key]          # 3 GDN + 1 attention
+        overhead = small[key] - pattern           # embed, lm_head, argmax (small = overhead + one pattern)
+        res[key] = overhead + pattern * (QWEN_GDN + QWEN_ATTN) // 4
+    return res
+
+
+def test_dispatch_and_stage_goals(model_dir, prompt):
+    full, small = per_layer(model_dir, prompt)
+    q = extrapolate(full, small)
+    assert q["dispatches"] <= 400, (q, full, small)
+    assert q["stages"] <= 250, (q, full, small)
+    assert full["cpu_waits_in_step"] == 0 and small["cpu_waits_in_step"] == 0
+    assert full["command_buffers"] == 1
+
+
+def test_decode_bytes_near_minimum():
+    """synthetic:small cut to its first 4 layers (H 512, 32 experts top-8: matrices large against the emulator's
+    4 KB page granularity), one 200-row prefill chunk (no KV growth copy in the next step), one decode step."""
+    from lily.checkpoint import read_checkpoint, resolve
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = read_checkpoint(mc.truncated_model(resolve("synthetic:small"), 4, Path(tmp)))
+        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=200, count_bytes=True)
+        s = e.new_session()
+        e.prefill(np.random.default_rng(0).integers(0, 1000, size=200), s)
+        e.prefill([5], s)
+        c = e.counters()["decode"]["last"]
+        mn = mc.minimum_decode_bytes(ck, context=200)
+    rd, wr = c["bytes_read"], c["bytes_written"]
+    got = rd["weights"] + rd["kv"] + rd["state"] + wr["state"]
+    want = mn["weights"] + mn["kv_read"] + mn["state_read"] + mn["state_written"]
+    assert rd["weights"] <= 1.05 * mn["weights"], (rd, mn)
+    assert rd["kv"] <= 1.05 * mn["kv_read"] + 4096 * 4, (rd, mn)  # K and V of 2 heads: page rounding
+    assert got <= 1.05 * want, (got, want, c, mn)
+    assert c["cpu_waits_in_step"] == 0 and c["command_buffers"] == 1
+
+
+# ---------------------------------------------------------------- ablations
+
+ABLATIONS = [
+    ({"fuse_norm_project": False}, "rmsnorm_f32_bf16"),
+    ({"fuse_route": False}, "moe_route_topk"),
+    ({"fuse_attn_prepare": False}, "attn_prepare_bf16"),
+    ({"gqa_pack": False}, None),
+    ({"attn_path": 2}, "attn_decode_merge_bf16"),
+    ({"gpu_routing": False}, "moe_route_topk"),
+    ({"moe_tile_rows": 16}, None),
+    ({"moe_tile_rows": 32}, None),
+]
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, prompt):
+    e = _engine(tm.get_model(tm.BASE, KIND))
+    return _run(e, prompt), e.counters()
+
+
+def _run(e, prompt):
+    s = e.new_session()
+    pre = e.logits(prompt, s)
+    dec = np.concatenate([e.logits([t], s) for t in prompt[:4]])
+    return pre, dec
+
+
+@pytest.mark.parametrize("opts,kernel", ABLATIONS, ids=lambda v: json.dumps(v) if isinstance(v, dict) else str(v))
+def test_ablation_same_outputs(baseline, prompt, opts, kernel):
+    (pre0, dec0), c0 = baseline
+    e = _engine(tm.get_model(tm.BASE, KIND), metal_options=opts)
+    pre, dec = _run(e, prompt)
+    assert tm.rel_err_per_position(pre, pre0).max() < 2e-2
+    assert tm.rel_err_per_position(dec, dec0).max() < 2e-2
+    assert (pre.argmax(-1) == pre0.argmax(-1)).mean() >= 0.9 and (dec.argmax(-1) == dec0.argmax(-1)).mean() >= 0.75
+    c = e.counters()["decode"]["last"]
+    if kernel:
+        assert any(k.startswith(kernel) for k in c["kernels"]) or \
+            any(k.startswith(kernel) for k in e.counters()["decode"]["total"]["kernels"]), (opts, c["kernels"])
+    if opts.get("gpu_routing") is False:
+        assert c["cpu_waits_in_step"] > 0 and c["command_buffers"] > 1
+    base = c0["decode"]["last"]
+    if "fuse_norm_project" in opts or "fuse_route" in opts or "fuse_attn_prepare" in opts:
+        assert c["dispatches"] > base["dispatches"] and c["stages"] > base["stages"]
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(Exception, match="unknown metal option"):
+        _engine(tm.get_model(tm.BASE, KIND), metal_options={"no_such_switch": True})
