@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import lily
+from lily.bench import BANDWIDTHS, minimum_decode_bytes
 from lily.checkpoint import read_checkpoint, resolve
 
 ROLES = ("weights", "kv", "state", "activations", "io")
@@ -48,37 +49,6 @@ def truncated_model(src: Path, layers: int, into: Path) -> Path:
     return into
 
 
-def matrix_bytes(spec) -> int:
-    """Bytes of one use of one (expert's) matrix as stored: codes + scales + biases, or bf16 values."""
-    rows, cols = spec.rows, spec.cols
-    if spec.bits:
-        return rows * cols * spec.bits // 8 + 2 * rows * (cols // spec.group) * (2 if spec.scales.dtype != lily._core.DType.f32 else 4)
-    return rows * cols * (2 if spec.w.dtype != lily._core.DType.f32 else 4)
-
-
-def minimum_decode_bytes(ck, context: int) -> dict:
-    c = ck.config
-    specs = {s.name: s for s in ck.specs}
-    w = 0
-    for name, s in specs.items():
-        if name == "embed_tokens":
-            w += matrix_bytes(s) // c.vocab_size  # one row
-        elif ".experts." in name:
-            w += c.num_experts_per_tok * matrix_bytes(s)
-        elif s.bits or s.cols > 1:
-            w += matrix_bytes(s)
-        else:  # norm weights, A_log, dt_bias, conv filter: uploaded once as fp32
-            w += s.rows * 4
-    attn = c.layer_types.count("full_attention")
-    gdn = len(c.layer_types) - attn
-    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    conv = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 4
-    kv_row = c.num_key_value_heads * c.head_dim * 2  # bf16, K or V
-    return {"weights": w, "state_read": gdn * (rec + conv), "state_written": gdn * (rec + conv),
-            "kv_read": attn * 2 * kv_row * (context + 1), "kv_written": attn * 2 * kv_row}
-
-
-BANDWIDTHS = {"M5 Max": 614e9, "M4 Max": 546e9, "M5 Pro": 307e9}
 # Each switch of MetalOptions turned to its ablation (the defaults are all on).
 ABLATIONS = {
     "all on": {},

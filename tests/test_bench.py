@@ -104,6 +104,12 @@ def test_bench_counters_metal_emu():
             assert k in last and k in run
         assert run["dispatches"] >= last["dispatches"] > 0
         assert run["bytes_read"]["weights"] > 0
+    dec = c["decode"]["8"]
+    mn = dec["min_bytes"]
+    # a decode step reads every needed weight byte (page-granular counts: never below the minimum)
+    assert 0 < mn["weights"] <= dec["last"]["bytes_read"]["weights"]
+    moved = sum(dec["last"]["bytes_read"].values()) + sum(dec["last"]["bytes_written"].values())
+    assert dec["implied_tok_s"] == {gpu: bw / moved for gpu, bw in bench.BANDWIDTHS.items()}
     json.dumps(res)
 
 

@@ -48,9 +48,50 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _core
+
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ENGINES = ("lily", "mlx-lm")
 MEMORY_FRACTION = 0.8  # of MemAvailable a length may be estimated to use
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+
+BANDWIDTHS = {"M5 Max": 614e9, "M4 Max": 546e9, "M5 Pro": 307e9}
+
+
+def matrix_bytes(spec) -> int:
+    """Bytes of one use of one (expert's) matrix as stored: codes + scales + biases, or bf16 values."""
+    rows, cols = spec.rows, spec.cols
+    if spec.bits:
+        return rows * cols * spec.bits // 8 + 2 * rows * (cols // spec.group) * (2 if spec.scales.dtype != _core.DType.f32 else 4)
+    return rows * cols * (2 if spec.w.dtype != _core.DType.f32 else 4)
+
+
+def minimum_decode_bytes(ck, context: int) -> dict:
+    """The bytes one decode step at `context` cached tokens must move at least: every weight byte the token
+    needs once (dense matrices, router, the k selected experts' three matrices, one embedding row, lm_head;
+    small vectors as their fp32 device copies), the GDN state read and written once, each KV row read once
+    per KV head and the new row written once."""
+    c = ck.config
+    specs = {s.name: s for s in ck.specs}
+    w = 0
+    for name, s in specs.items():
+        if name == "embed_tokens":
+            w += matrix_bytes(s) // c.vocab_size  # one row
+        elif ".experts." in name:
+            w += c.num_experts_per_tok * matrix_bytes(s)
+        elif s.bits or s.cols > 1:
+            w += matrix_bytes(s)
+        else:  # norm weights, A_log, dt_bias, conv filter: uploaded once as fp32
+            w += s.rows * 4
+    attn = c.layer_types.count("full_attention")
+    gdn = len(c.layer_types) - attn
+    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 4
+    kv_row = c.num_key_value_heads * c.head_dim * 2  # bf16, K or V
+    return {"weights": w, "state_read": gdn * (rec + conv), "state_written": gdn * (rec + conv),
+            "kv_read": attn * 2 * kv_row * (context + 1), "kv_written": attn * 2 * kv_row}
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -397,8 +438,14 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
                     secs[name].append(r.decode(ctxs[name], firsts[c], decode_tokens))
                     if before is not None and rnd == 0:
                         after = engine.counters()
-                        counter_out["decode"][str(c)] = {"run": _counter_delta(after["decode"]["total"], before["decode"]["total"]),
-                                                         "last": after["decode"]["last"]}
+                        last = after["decode"]["last"]
+                        moved = sum(last["bytes_read"].values()) + sum(last["bytes_written"].values())
+                        counter_out["decode"][str(c)] = {
+                            "run": _counter_delta(after["decode"]["total"], before["decode"]["total"]),
+                            "last": last,
+                            "min_bytes": minimum_decode_bytes(engine.checkpoint, c + decode_tokens - 1),
+                            # if decode is bandwidth-bound at the counted bytes of a step (0 without byte counting)
+                            "implied_tok_s": {gpu: bw / moved if moved else None for gpu, bw in BANDWIDTHS.items()}}
                     order.append({"phase": "decode", "length": c, "round": rnd, "engine": name})
                     bar.advance()
             del ctxs
