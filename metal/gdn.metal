@@ -11,6 +11,10 @@
 // head) and gdn_gated_norm (a simdgroup owns one (row, value head)). Decode is one fused kernel, gdn_step:
 // a threadgroup owns one key head and the n_v/n_k value heads that read it, so the conv-state rows it
 // shifts are its own; intermediates stay in registers and threadgroup memory.
+// Every kernel reads the states from one binding and writes them to another (GDN_*_STATE → GDN_*_STATE_OUT):
+// the Metal backend alternates two copies so that the state before a decode step survives it (a pipelined
+// generation undoes the one step it ran past a stop). The same buffer may be bound to both: each element is
+// read before it is written, by the thread that writes it.
 // Previous hop: csrc/backends/metal/gdn.cpp (encode_gdn_prefill, encode_gdn_decode).
 #include <metal_stdlib>
 #include "lily_args.h"
@@ -72,7 +76,7 @@ inline float gdn_column_step(thread float* S, thread const float* q, thread cons
 // A head slot s is one of the 2·n_k + n_v heads of a row: q heads [0, n_k), k heads [n_k, 2n_k), v heads
 // after. Threadgroup (x, y) owns slots [x·HEADS, x·HEADS + HEADS) of rows [y·ROWS, y·ROWS + ROWS). Only the
 // threadgroups of row block 0 read or write the conv state (the others take their history from qkv), so
-// the state is shifted in place without a race: the rows it receives are inputs, never outputs.
+// the state may be shifted in place without a race: the rows it receives are inputs, never outputs.
 // T: the activation type (bfloat).
 template <typename T>
 kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
@@ -82,7 +86,8 @@ kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
                      device const float* conv_w [[buffer(GDN_CONV_W)]],
                      device const float* A_log [[buffer(GDN_A_LOG)]],
                      device const float* dt_bias [[buffer(GDN_DT_BIAS)]],
-                     device float* conv_state [[buffer(GDN_CONV_STATE)]],
+                     device const float* conv_state [[buffer(GDN_CONV_STATE)]],
+                     device float* conv_out [[buffer(GDN_CONV_STATE_OUT)]],
                      device T* qkvc [[buffer(GDN_QKVC)]],
                      device float2* gates [[buffer(GDN_GATES)]],
                      uint2 tg [[threadgroup_position_in_grid]],
@@ -133,7 +138,7 @@ kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
     const int c = base + int(lane) + LILY_SIMD_WIDTH * r;
     for (int j = 0; j < GDN_HIST; ++j) {
       const int u = args.T + j;  // index into [old state (GDN_HIST rows) ‖ qkv rows]
-      conv_state[j * C + c] = u < GDN_HIST ? old[r][u] : float(qkv[long(u - GDN_HIST) * C + c]);
+      conv_out[j * C + c] = u < GDN_HIST ? old[r][u] : float(qkv[long(u - GDN_HIST) * C + c]);
     }
   }
 }
@@ -148,7 +153,8 @@ template <typename T>
 kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
                      device const T* qkvc [[buffer(GDN_QKVC)]],
                      device const float2* gates [[buffer(GDN_GATES)]],
-                     device float* state [[buffer(GDN_REC_STATE)]],
+                     device const float* state [[buffer(GDN_REC_STATE)]],
+                     device float* state_out [[buffer(GDN_REC_STATE_OUT)]],
                      device float* o [[buffer(GDN_O)]],
                      uint2 tg [[threadgroup_position_in_grid]],
                      uint sg [[simdgroup_index_in_threadgroup]],
@@ -158,11 +164,11 @@ kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
   const int dk = args.dk, dv = args.dv, nv = args.nv, C = args.C;
   const int kh = h / (nv / args.nk);
   const int Kd = args.nk * dk;
-  device float* column = state + long(h) * dk * dv + j;  // entry i at column[i·d_v]
+  const long column = long(h) * dk * dv + j;  // entry i at column + i·d_v
   float S[GDN_R];
   for (int r = 0; r < GDN_R; ++r) {
     const int i = int(lane) + LILY_SIMD_WIDTH * r;
-    S[r] = i < dk ? column[long(i) * dv] : 0.0f;
+    S[r] = i < dk ? state[column + long(i) * dv] : 0.0f;
   }
   device const T* qrow = qkvc + kh * dk + int(lane);
   device const T* krow = qkvc + Kd + kh * dk + int(lane);
@@ -180,7 +186,7 @@ kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
   }
   for (int r = 0; r < GDN_R; ++r) {
     const int i = int(lane) + LILY_SIMD_WIDTH * r;
-    if (i < dk) column[long(i) * dv] = S[r];
+    if (i < dk) state_out[column + long(i) * dv] = S[r];
   }
 }
 
@@ -217,7 +223,7 @@ kernel void gdn_gated_norm(constant GdnArgs& args [[buffer(0)]],
 // ---------------------------------------------------------------- decode: one fused step
 
 // Threadgroup x owns key head x and value heads [x·G, x·G + G), G = n_v/n_k: their q, k, v conv channels
-// (conv state shifted in place, since no other threadgroup reads them), the G·d_v state columns and the G
+// (no other threadgroup reads them, so the conv state may be shifted in place), the G·d_v state columns and the G
 // gated norms. Phases, separated by barriers: conv + SiLU + gates → l2-norm of q and k (simdgroups 0, 1) →
 // state columns (simdgroup sg takes columns sg, sg + SIMDGROUPS, ...; the same column step as gdn_scan) →
 // gated norm (simdgroup g < G normalises value head x·G + g). Values are rounded to T where gdn_conv
@@ -232,9 +238,11 @@ kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
                      device const float* A_log [[buffer(GDN_A_LOG)]],
                      device const float* dt_bias [[buffer(GDN_DT_BIAS)]],
                      device const float* norm_w [[buffer(GDN_NORM_W)]],
-                     device float* conv_state [[buffer(GDN_CONV_STATE)]],
-                     device float* state [[buffer(GDN_REC_STATE)]],
+                     device const float* conv_state [[buffer(GDN_CONV_STATE)]],
+                     device const float* state [[buffer(GDN_REC_STATE)]],
                      device T* out [[buffer(GDN_OUT)]],
+                     device float* conv_out [[buffer(GDN_CONV_STATE_OUT)]],
+                     device float* state_out [[buffer(GDN_REC_STATE_OUT)]],
                      uint tgx [[threadgroup_position_in_grid]],
                      uint tid [[thread_index_in_threadgroup]],
                      uint sg [[simdgroup_index_in_threadgroup]],
@@ -258,8 +266,8 @@ kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
     for (int j = 0; j < GDN_HIST; ++j) hist[j] = conv_state[j * C + c];
     const float u = float(qkv[c]);
     const float x = gdn_silu(gdn_conv_tap(w, hist, u));
-    for (int j = 0; j + 1 < GDN_HIST; ++j) conv_state[j * C + c] = hist[j + 1];
-    conv_state[(GDN_HIST - 1) * C + c] = u;
+    for (int j = 0; j + 1 < GDN_HIST; ++j) conv_out[j * C + c] = hist[j + 1];
+    conv_out[(GDN_HIST - 1) * C + c] = u;
     if (l < 2 * dk) qk_tg[l] = x;
     else v_tg[l - 2 * dk] = float(T(x));
   }
@@ -296,16 +304,16 @@ kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
   }
   for (int col = int(sg); col < G * dv; col += LILY_GDN_STEP_SIMDGROUPS) {
     const int g = col / dv, j = col - g * dv;
-    device float* column = state + long(kh * G + g) * dk * dv + j;
+    const long column = long(kh * G + g) * dk * dv + j;
     float S[GDN_R];
     for (int r = 0; r < GDN_R; ++r) {
       const int i = int(lane) + LILY_SIMD_WIDTH * r;
-      S[r] = i < dk ? column[long(i) * dv] : 0.0f;
+      S[r] = i < dk ? state[column + long(i) * dv] : 0.0f;
     }
     const float oj = gdn_column_step(S, q, k, v_tg[col], gate_tg[2 * g], gate_tg[2 * g + 1]);
     for (int r = 0; r < GDN_R; ++r) {
       const int i = int(lane) + LILY_SIMD_WIDTH * r;
-      if (i < dk) column[long(i) * dv] = S[r];
+      if (i < dk) state_out[column + long(i) * dv] = S[r];
     }
     if (lane == 0) o_tg[col] = oj;
   }
@@ -332,13 +340,15 @@ kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
 
 template [[host_name("gdn_conv_bf16")]] [[kernel]] void gdn_conv<bfloat>(
     constant GdnArgs&, device const bfloat*, device const bfloat*, device const bfloat*, device const float*,
-    device const float*, device const float*, device float*, device bfloat*, device float2*, uint2, uint, uint);
+    device const float*, device const float*, device const float*, device float*, device bfloat*, device float2*,
+    uint2, uint, uint);
 template [[host_name("gdn_scan_bf16")]] [[kernel]] void gdn_scan<bfloat>(
-    constant GdnArgs&, device const bfloat*, device const float2*, device float*, device float*, uint2, uint, uint);
+    constant GdnArgs&, device const bfloat*, device const float2*, device const float*, device float*, device float*,
+    uint2, uint, uint);
 template [[host_name("gdn_gated_norm_bf16")]] [[kernel]] void gdn_gated_norm<bfloat>(
     constant GdnArgs&, device const float*, device const bfloat*, device const float*, device bfloat*, uint2, uint,
     uint);
 template [[host_name("gdn_step_bf16")]] [[kernel]] void gdn_step<bfloat>(
     constant GdnArgs&, device const bfloat*, device const bfloat*, device const bfloat*, device const bfloat*,
-    device const float*, device const float*, device const float*, device const float*, device float*,
-    device float*, device bfloat*, uint, uint, uint, uint);
+    device const float*, device const float*, device const float*, device const float*, device const float*,
+    device const float*, device bfloat*, device float*, device float*, uint, uint, uint, uint);

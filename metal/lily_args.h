@@ -294,6 +294,8 @@ enum GdnSlot : lily_i32 {
   GDN_QKVC,         // bf16 [T, C]          scratch: after conv + SiLU + l2-norm
   GDN_GATES,        // f32 [T, n_v, 2]      scratch: (β, α)
   GDN_O,            // f32 [T, n_v·d_v]     scratch: scan output before the gated norm
+  GDN_CONV_STATE_OUT,  // f32 [k_c − 1, C]  the conv state after the call (GDN_CONV_STATE's buffer, or its twin)
+  GDN_REC_STATE_OUT,   // f32 [n_v, d_k, d_v] the recurrent state after the call
 };
 // ---- end gdn ----
 

@@ -43,13 +43,14 @@ static metal::MetalOptions metal_options_of(const nb::dict& d) {
     else if (key == "fuse_route") o.fuse_route = nb::cast<bool>(v);
     else if (key == "fuse_attn_prepare") o.fuse_attn_prepare = nb::cast<bool>(v);
     else if (key == "gqa_pack") o.gqa_pack = nb::cast<bool>(v);
+    else if (key == "pipeline") o.pipeline = nb::cast<bool>(v);
     else if (key == "attn_path") o.attn_path = nb::cast<int>(v);
     else if (key == "gpu_routing") o.gpu_routing = nb::cast<bool>(v);
     else if (key == "moe_tile_rows") o.moe_tile_rows = nb::cast<int>(v);
     else
       throw std::invalid_argument("[engine] unknown metal option '" + key +
                                   "' (fuse_norm_project, fuse_route, fuse_attn_prepare, gqa_pack, attn_path, "
-                                  "gpu_routing, moe_tile_rows)");
+                                  "gpu_routing, moe_tile_rows, pipeline)");
   }
   return o;
 }
@@ -186,7 +187,8 @@ void init_engine(nb::module_& m) {
       .def_prop_ro("finish_reason", [](const Generation& g) { return std::string(g.finish_reason()); })
       .def_prop_ro("generated", &Generation::generated)
       .def_prop_ro("max_tokens", &Generation::max_tokens)
-      .def_prop_ro("on_device", &Generation::on_device);
+      .def("close", &Generation::close)
+      .def_prop_ro("pipelined", &Generation::pipelined);
 
   nb::class_<Session>(m, "Session")
       .def_prop_ro("position", [](const Session& s) { return s.state->pos; })

@@ -30,6 +30,7 @@ nb::dict counters_dict(const Counters& c) {
   d["stages"] = c.stages;
   d["cpu_waits"] = c.cpu_waits;
   d["cpu_waits_in_step"] = c.cpu_waits_in_step;
+  d["cpu_waits_drained"] = c.cpu_waits_drained;
   d["command_buffers"] = c.command_buffers;
   for (size_t r = 0; r < size_t(Role::count); ++r) {
     rd[role_name(Role(r))] = c.bytes_read[r];

@@ -19,7 +19,7 @@ namespace {
 nb::dict gdn_run(HostArray<uint16_t> qkv, HostArray<uint16_t> z, HostArray<uint16_t> b, HostArray<uint16_t> a,
                  HostArray<float> conv_w, HostArray<float> A_log, HostArray<float> dt_bias, HostArray<float> norm_w,
                  HostArray<float> conv_state, HostArray<float> rec_state, int nk, int nv, int dk, int dv, float eps,
-                 std::vector<int> calls, int order, uint64_t seed) {
+                 std::vector<int> calls, int order, uint64_t seed, bool twin) {
   const int T = int(qkv.shape(0)), C = int(qkv.shape(1)), V = nv * dv;
   int rows = 0, max_rows = 1;
   for (int n : calls) {
@@ -44,6 +44,9 @@ nb::dict gdn_run(HostArray<uint16_t> qkv, HostArray<uint16_t> z, HostArray<uint1
   Buffer* ab = run.upload(a, Role::activations, "a");
   Buffer* cs = run.upload(conv_state, Role::state, "conv_state");
   Buffer* rs = run.upload(rec_state, Role::state, "rec_state");
+  // twin: each call reads the states from one pair of buffers and writes the other, as the backend does.
+  Buffer* cs2 = twin ? run.alloc(cs->size, Role::state, "conv_state_twin") : cs;
+  Buffer* rs2 = twin ? run.alloc(rs->size, Role::state, "rec_state_twin") : rs;
   Buffer* out = run.alloc(uint64_t(T) * V * 2, Role::activations, "out");
   auto scratch = make_gdn_scratch(run.device(), G, max_rows);
   run.device().reset_counters();
@@ -52,13 +55,15 @@ nb::dict gdn_run(HostArray<uint16_t> qkv, HostArray<uint16_t> z, HostArray<uint1
     for (int n : calls) {
       const View q{u, uint64_t(t) * C * 2}, zz{zb, uint64_t(t) * V * 2}, bv{bb, uint64_t(t) * nv * 2},
           av{ab, uint64_t(t) * nv * 2}, o{out, uint64_t(t) * V * 2};
+      const GdnStates st{{cs, 0}, {rs, 0}, {cs2, 0}, {rs2, 0}};
       if (n == 0) {
-        encode_gdn_decode(enc, *scratch, G, q, zz, bv, av, {cs, 0}, {rs, 0}, o);
+        encode_gdn_decode(enc, *scratch, G, q, zz, bv, av, st, o);
         t += 1;
       } else {
-        encode_gdn_prefill(enc, *scratch, G, q, zz, bv, av, n, {cs, 0}, {rs, 0}, o);
+        encode_gdn_prefill(enc, *scratch, G, q, zz, bv, av, n, st, o);
         t += n;
       }
+      std::swap(cs, cs2), std::swap(rs, rs2);
     }
   });
   nb::dict d;
@@ -76,7 +81,8 @@ void init_kernels_gdn(nb::module_& k) {
   k.def("gdn_run", &lily::metal::gdn_run, nb::arg("qkv"), nb::arg("z"), nb::arg("b"), nb::arg("a"),
         nb::arg("conv_w"), nb::arg("A_log"), nb::arg("dt_bias"), nb::arg("norm_w"), nb::arg("conv_state"),
         nb::arg("rec_state"), nb::arg("nk"), nb::arg("nv"), nb::arg("dk"), nb::arg("dv"), nb::arg("eps"),
-        nb::arg("calls"), nb::arg("order") = 0, nb::arg("seed") = 0,
+        nb::arg("calls"), nb::arg("order") = 0, nb::arg("seed") = 0, nb::arg("twin") = false,
         "Gated DeltaNet on the emulated device: calls = rows per encoder call (0 = a decode step, n = a prefill "
-        "chunk of n rows). bf16 travels as uint16. Returns {out bf16 [T, n_v·d_v], conv_state, rec_state, counters}.");
+        "chunk of n rows; twin: states alternate between two buffer pairs). bf16 travels as uint16. Returns {out bf16 "
+        "[T, n_v·d_v], conv_state, rec_state (the final ones), counters}.");
 }

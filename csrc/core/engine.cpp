@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -97,7 +98,8 @@ int64_t Engine::state_bytes(const Session& s) const {
   int64_t bytes = 0;
   for (int i = 0; i < c.layers; ++i)
     bytes += c.is_attention(i) ? 2 * int64_t(c.n_kv) * s.state->capacity * c.head_dim * 4
-                               : (int64_t(c.conv_kernel - 1) * c.conv_dim() + int64_t(c.lin_nv) * c.lin_dk * c.lin_dv) * 4;
+                               : (int64_t(c.conv_kernel - 1) * c.conv_dim() + int64_t(c.lin_nv) * c.lin_dk * c.lin_dv) * 4 *
+                                     backend_->gdn_state_copies();
   return bytes;
 }
 
@@ -134,67 +136,86 @@ Generation::Generation(Engine& e, Session& s, const int32_t* prompt, int64_t n, 
   e.chunk_rows(o_.chunk);
   if (first_logits) first_logits_.assign(first_logits, first_logits + V);
   logits_.resize(size_t(V));
-  device_ = o_.sampling.greedy() && !o_.sampling.penalised();
+  pipelined_ = e.backend().pipelines();
   // k generated tokens feed k - 1 of them: the context bounds the count.
   max_tokens_ = std::min<int64_t>(o_.max_tokens, e.max_context() - s.state->pos - n + 1);
   if (max_tokens_ <= 0) finish_ = "length";
 }
 
-TokenChoice Generation::choose_host(const float* logits) { return sampler_.sample(logits); }
+Generation::~Generation() {
+  try {
+    close();
+  } catch (...) {
+    // A destructor cannot report it; close() only throws when the backend fails, which the next call shows.
+  }
+}
+
+void Generation::feed(const int32_t* host_token) {
+  schedule::decode_step(*e_.backend_, *e_.model_, *s_.state, host_token, true);
+  s_.decoded += 1;
+}
+
+void Generation::close() {
+  if (ahead_) {
+    e_.backend_->rollback(*s_.state);
+    s_.decoded -= 1;
+    s_.tokens.pop_back();
+    ahead_ = false;
+  }
+  if (!finish_) finish_ = "cancelled";
+}
 
 TokenChoice Generation::next() {
   if (finish_) throw std::logic_error("[engine] generation already finished");
   Backend& b = *e_.backend_;
   const Model& m = *e_.model_;
   const bool want_logprobs = o_.sampling.logprobs || o_.sampling.top_logprobs > 0;
-  bool fed = true;
+  // 1. The step that selects this token is committed (or the token is chosen on the host).
+  std::optional<TokenChoice> host;
   if (!started_) {
     started_ = true;
     const int64_t n = int64_t(prompt_.size());
     if (n == 0) {
-      fed = false;
-    } else if (n == 1) {
-      schedule::decode_step(b, m, *s_.state, prompt_.data(), device_);
+      host = sampler_.sample(first_logits_.data());
+      sampler_.accept(host->token);
+    }
+    b.select_begin(sampler_);
+    if (n == 1) {
+      schedule::decode_step(b, m, *s_.state, prompt_.data(), true);
       s_.decoded += 1;
-    } else {
+    } else if (n > 1) {
       const int rows = e_.chunk_rows(o_.chunk);
       for (int64_t i = 0; i < n; i += rows) {
         const int T = int(std::min<int64_t>(rows, n - i));
         const bool last = i + T == n;
         schedule::prefill_chunk(b, m, *s_.state, prompt_.data() + i, T,
-                                last ? schedule::Logits::last : schedule::Logits::none, last && device_);
+                                last ? schedule::Logits::last : schedule::Logits::none, last);
       }
       s_.prefilled += n;
     }
     s_.tokens.insert(s_.tokens.end(), prompt_.begin(), prompt_.end());
-  } else {
-    // Feed the previous token: from the device's input slot when it was selected there.
-    const bool from_host = !device_ || last_on_host_;
-    schedule::decode_step(b, m, *s_.state, from_host ? &last_ : nullptr, device_);
-    s_.decoded += 1;
+  } else if (!ahead_) {
+    feed(last_on_host_ ? &last_ : nullptr);
     s_.tokens.push_back(last_);
   }
+  // 2. Pipelining: the step feeding this token goes in before the CPU waits for the token.
+  ahead_ = pipelined_ && generated_ + 1 < max_tokens_;
+  if (ahead_) feed(host ? &host->token : nullptr);
+  // 3. The token.
   TokenChoice c;
-  if (!fed) {
-    c = choose_host(first_logits_.data());
-    last_on_host_ = true;
-  } else if (device_) {
-    c.token = b.read_token();
-    if (want_logprobs) {
-      b.read_logits(logits_.data(), 1);
-      sampler_.fill_logprobs(logits_.data(), c);
-    }
-    last_on_host_ = false;
+  if (host) {
+    c = *host;
   } else {
-    b.read_logits(logits_.data(), 1);
-    c = choose_host(logits_.data());
-    last_on_host_ = true;
+    c.token = b.read_token(want_logprobs ? logits_.data() : nullptr);
+    if (want_logprobs) sampler_.fill_logprobs(logits_.data(), c);
   }
-  sampler_.accept(c.token);
+  if (ahead_) s_.tokens.push_back(c.token);
+  last_on_host_ = host.has_value();
   last_ = c.token;
   ++generated_;
   if (std::find(o_.stop_ids.begin(), o_.stop_ids.end(), c.token) != o_.stop_ids.end()) finish_ = "stop";
   else if (generated_ >= max_tokens_) finish_ = "length";
+  if (finish_) close();
   return c;
 }
 
@@ -207,6 +228,7 @@ std::vector<int32_t> Engine::generate(Session& s, const int32_t* prompt, int64_t
     out.push_back(c.token);
     if (on_token && !on_token(c)) break;
   }
+  g.close();
   return out;
 }
 

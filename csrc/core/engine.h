@@ -34,10 +34,15 @@ class Engine;
 // one decode step for a single token); each later one runs one decode step for the previous token. The last
 // token returned is never fed: the session then holds the prompt and every generated token but the last.
 //
-// Token selection: temperature 0 without penalties keeps the token on the device (the last prefill chunk or
-// decode step ends with select_greedy, the next step's embed_selected reads it; the host reads only the id,
-// and the logits row only when logprobs are asked). Otherwise the host reads the logits row and the Sampler
-// (sampling.h) picks the token, which the next step embeds.
+// Token selection happens on the device (Backend::select_token, sampling.h semantics): the last prefill chunk
+// or decode step ends by selecting the next token into the input slot the next step embeds from, so the
+// token never visits the CPU between steps; the host reads the id (and the logits row when logprobs are
+// asked) only to stream it and check stops. Only a token chosen from `first_logits` is picked on the host.
+//
+// Pipelining (backends whose Backend::pipelines() is true): next() commits the step that feeds the token it is about
+// to return before waiting for that token, so the GPU always has the following step queued while the CPU
+// reads, streams and checks stops. When the token ends the generation (a stop id, or close() from a caller
+// that stops early), that step is undone (Backend::rollback) and the session is as if it never ran.
 class Generation {
  public:
   // `prompt` may be empty when `first_logits` [V] (the logits after the session's last token, kept by a
@@ -45,24 +50,30 @@ class Generation {
   // tokens plus the prompt.
   Generation(Engine& e, Session& s, const int32_t* prompt, int64_t n, GenerateOptions o,
              const float* first_logits = nullptr);
+  ~Generation();
 
   bool done() const { return finish_ != nullptr; }
-  const char* finish_reason() const { return finish_ ? finish_ : ""; }  // "stop" (a stop id) or "length"
+  // "stop" (a stop id), "length", or "cancelled" (close() before the end)
+  const char* finish_reason() const { return finish_ ? finish_ : ""; }
   TokenChoice next();  // throws std::logic_error once done
+  // Ends the generation between two tokens, undoing a step committed ahead. Idempotent; the destructor calls it.
+  void close();
   int64_t generated() const { return generated_; }
   int64_t max_tokens() const { return max_tokens_; }
-  bool on_device() const { return device_; }
+  bool pipelined() const { return pipelined_; }
 
  private:
-  TokenChoice choose_host(const float* logits);
+  void feed(const int32_t* host_token);  // a decode step for the latest token (from the device slot when null)
 
   Engine& e_;
   Session& s_;
   std::vector<int32_t> prompt_;
   std::vector<float> first_logits_, logits_;
   GenerateOptions o_;
-  Sampler sampler_;
-  bool device_ = false, started_ = false, last_on_host_ = false;
+  Sampler sampler_;  // chooses from first_logits, computes logprobs, and seeds the device's tables
+  bool started_ = false, pipelined_ = false;
+  bool ahead_ = false;           // the step feeding the latest token is committed
+  bool last_on_host_ = false;    // the latest token was chosen on the host (so it is fed by value)
   int32_t last_ = -1;
   int64_t generated_ = 0, max_tokens_ = 0;
   const char* finish_ = nullptr;
@@ -78,7 +89,7 @@ class Engine {
 
   std::unique_ptr<Session> new_session();
   std::unique_ptr<Session> clone_session(const Session& s);
-  // Upper bound of a session state's host/device bytes (KV capacity and GDN state at 4 bytes an element).
+  // Upper bound of a session state's host/device bytes (KV capacity and the GDN state copies at 4 bytes an element).
   int64_t state_bytes(const Session& s) const;
   // Session state as named host arrays (Backend::export_state) and a new session from them.
   std::vector<StateTensor> export_session(const Session& s);

@@ -1,6 +1,6 @@
 // Token selection next to the logits: penalties, temperature, top-k, top-p, min-p, a seeded counter-based
 // RNG, and the logprobs of the chosen token. Runs on the host's copy of one logits row for now; the same
-// parameters and order of operations are what a device sampler must reproduce (issue 6).
+// parameters and order of operations are what the device sampler (metal/sample.metal) reproduces in fp32.
 //
 // Order of operations (vLLM / Hugging Face):
 //   1. repetition_penalty (HF semantics) over every distinct token of prompt + generated:
@@ -77,6 +77,11 @@ class Sampler {
   // The processed distribution the draw uses (after step 7), as probabilities [vocab]; for tests.
   std::vector<float> probabilities(const float* logits) const;
   uint64_t draws() const { return rng_.counter; }
+  void set_draws(uint64_t n) { rng_.counter = n; }
+  // The penalty tables, where a device sampler starts its own copy: seen [vocab] (0/1) and the counts of
+  // generated tokens.
+  const std::vector<uint8_t>& seen() const { return seen_; }
+  const std::unordered_map<int32_t, int32_t>& counts() const { return counts_; }
 
  private:
   void penalise(float* l) const;

@@ -34,4 +34,8 @@ void Backend::import_state(State&, int64_t, const std::vector<StateTensor>&) {
   throw std::runtime_error("[" + name() + "] this backend cannot import session state yet (Backend::import_state)");
 }
 
+void Backend::rollback(State&) {
+  throw std::logic_error("[" + name() + "] this backend cannot undo a decode step (it does not pipeline: Backend::pipelines)");
+}
+
 }  // namespace lily

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/sampling.h"
 #include "../core/weights.h"
 
 namespace lily {
@@ -117,12 +118,25 @@ class Backend {
   // logits rows [0, rows) ← lm_head · RMSNorm(x rows [first, first + rows)).
   virtual void lm_head(int first, int rows) = 0;
 
-  // Greedy token handoff on the device: select_greedy writes argmax(logits row 0) into the input slot of
-  // the next step, whose embed_selected reads it there, so the token never has to visit the CPU between
-  // steps; read_token waits and returns it (only to stream it and check stop conditions).
-  virtual void select_greedy() = 0;
+  // Token selection on the device (sampling.h semantics), so the token never visits the CPU between steps:
+  // select_token picks from logits row 0 — the first maximum at temperature 0, else one draw — writes the
+  // token into the next step's input slot (embed_selected reads it there) and records it in the penalty
+  // tables. select_begin starts a generation: its parameters, the tables and the draw counter, copied from
+  // the host's Sampler. read_token waits for the oldest step whose token was not read yet and returns it
+  // (to stream it and check stops); `logits` [V], when given, receives that step's raw logits row.
+  virtual void select_begin(const Sampler& sampler) = 0;
+  virtual void select_token() = 0;
   virtual void embed_selected() = 0;  // x ← E[the token the previous step selected]
-  virtual int32_t read_token() = 0;
+  virtual int32_t read_token(float* logits = nullptr) = 0;
+
+  // Pipelined decode (engine.h, Generation): a backend whose commit() returns before the GPU is done lets the
+  // CPU commit step n + 1 before it reads step n's token; when that token ends the generation, rollback()
+  // undoes step n + 1 on the state (the position, the GDN states it replaced, its unread token). Backends
+  // that return false from pipelines() are driven one step at a time and need no rollback.
+  virtual bool pipelines() const { return false; }
+  // Copies of the GDN states a State keeps (a pipelining backend keeps the one before the last step).
+  virtual int gdn_state_copies() const { return 1; }
+  virtual void rollback(State& s);
 
   // ---- submission ----
   virtual void begin() {}   // start recording a chunk / step

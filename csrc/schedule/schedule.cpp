@@ -42,7 +42,7 @@ int prefill_chunk(Backend& b, const Model& m, State& s, const int32_t* tokens, i
   layer_stack(b, m, T, pos, Phase::prefill);
   const int rows = want == Logits::all ? T : want == Logits::last ? 1 : 0;
   if (rows) b.lm_head(T - rows, rows);
-  if (select) b.select_greedy();
+  if (select) b.select_token();
   b.commit();
   s.pos = pos + T;
   return rows;
@@ -56,7 +56,7 @@ void decode_step(Backend& b, const Model& m, State& s, const int32_t* token, boo
   if (token) b.embed(token, 1); else b.embed_selected();
   layer_stack(b, m, 1, pos, Phase::decode);
   b.lm_head(0, 1);
-  if (select) b.select_greedy();
+  if (select) b.select_token();
   b.commit();
   s.pos = pos + 1;
 }

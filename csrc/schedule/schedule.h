@@ -9,13 +9,13 @@ namespace lily::schedule {
 enum class Logits : uint8_t { none, last, all };
 
 // Runs T <= backend.max_rows() prompt tokens at positions [state.pos, state.pos + T) and advances state.pos.
-// Returns the number of logits rows produced (0, 1 or T). select: also pick the greedy next token on the
+// Returns the number of logits rows produced (0, 1 or T). select: also select the next token on the
 // device (needs want == last).
 int prefill_chunk(Backend& b, const Model& m, State& s, const int32_t* tokens, int T, Logits want,
                   bool select = false);
 
 // One token at position state.pos — `token`, or when null the token the previous step selected on the
-// device — producing one logits row (and, with select, the next greedy token); advances state.pos.
+// device — producing one logits row (and, with select, the next token); advances state.pos.
 void decode_step(Backend& b, const Model& m, State& s, const int32_t* token, bool select = false);
 
 }  // namespace lily::schedule

@@ -32,6 +32,7 @@ void Counters::add(const Counters& o) {
   stages += o.stages;
   cpu_waits += o.cpu_waits;
   cpu_waits_in_step += o.cpu_waits_in_step;
+  cpu_waits_drained += o.cpu_waits_drained;
   command_buffers += o.command_buffers;
   for (size_t i = 0; i < size_t(Role::count); ++i) {
     bytes_read[i] += o.bytes_read[i];
@@ -46,6 +47,7 @@ Counters Counters::since(const Counters& e) const {
   d.stages = stages - e.stages;
   d.cpu_waits = cpu_waits - e.cpu_waits;
   d.cpu_waits_in_step = cpu_waits_in_step - e.cpu_waits_in_step;
+  d.cpu_waits_drained = cpu_waits_drained - e.cpu_waits_drained;
   d.command_buffers = command_buffers - e.command_buffers;
   for (size_t r = 0; r < size_t(Role::count); ++r) {
     d.bytes_read[r] = bytes_read[r] - e.bytes_read[r];

@@ -54,6 +54,8 @@ struct Counters {
   uint64_t stages = 0;      // dependency stages: barriers + 1 per non-empty encoder
   uint64_t cpu_waits = 0;   // waits for the GPU (command buffer completion, reads of results)
   uint64_t cpu_waits_in_step = 0;  // of those, waits while a step was being recorded (the backend counts them)
+  uint64_t cpu_waits_drained = 0;  // of those, waits that left no command buffer queued: the GPU then idles
+                                   // until the CPU commits again (the backend counts them)
   uint64_t command_buffers = 0;
   uint64_t bytes_read[size_t(Role::count)] = {};
   uint64_t bytes_written[size_t(Role::count)] = {};

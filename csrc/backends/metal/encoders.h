@@ -126,13 +126,19 @@ struct GdnDevice {
 };
 struct GdnScratch;
 std::shared_ptr<GdnScratch> make_gdn_scratch(Device& dev, const GdnDevice& G, int max_rows);
+// A layer's states as one call reads and writes them: the state before (conv_in, rec_in) and where the state
+// after goes (conv_out, rec_out): the same buffers (in place) or their twins (the backend's two copies).
+struct GdnStates {
+  View conv_in, rec_in, conv_out, rec_out;
+  static GdnStates in_place(View conv, View rec) { return {conv, rec, conv, rec}; }
+};
 // Prefill over T rows: causal conv + SiLU (conv state carried), l2-norm q/k, gates, the register-resident
 // delta-rule scan (one simdgroup per state column), gated RMSNorm → out bf16 [T, V_dim].
 void encode_gdn_prefill(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv, View z, View beta, View alpha,
-                        int T, View conv_state, View rec_state, View out);
+                        int T, const GdnStates& st, View out);
 // Decode: one fused step (conv + l2norm + gates + update + gated norm).
 void encode_gdn_decode(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv, View z, View beta, View alpha,
-                       View conv_state, View rec_state, View out);
+                       const GdnStates& st, View out);
 
 // ---------------------------------------------------------------- attn (metal/attn.metal)
 struct AttnDevice {

@@ -75,7 +75,7 @@ std::shared_ptr<GdnScratch> make_gdn_scratch(Device& dev, const GdnDevice& G, in
 }
 
 void encode_gdn_prefill(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv, View z, View beta, View alpha,
-                        int T, View conv_state, View rec_state, View out) {
+                        int T, const GdnStates& st, View out) {
   check(G);
   if (T <= 0 || T > s.max_rows)
     throw std::invalid_argument("[gdn] prefill of " + std::to_string(T) + " rows, scratch holds " +
@@ -91,13 +91,15 @@ void encode_gdn_prefill(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qk
                Grid{LILY_GDN_CONV_HEADS * sg}, args,
                {view(GDN_QKV, qkv, Access::read, rows * C * 2), view(GDN_B, beta, Access::read, rows * G.nv * 2),
                 view(GDN_A, alpha, Access::read, rows * G.nv * 2), vec(GDN_CONV_W, G.conv), vec(GDN_A_LOG, G.A_log),
-                vec(GDN_DT_BIAS, G.dt_bias), view(GDN_CONV_STATE, conv_state, Access::read_write, conv_bytes),
+                vec(GDN_DT_BIAS, G.dt_bias), view(GDN_CONV_STATE, st.conv_in, Access::read, conv_bytes),
+                view(GDN_CONV_STATE_OUT, st.conv_out, Access::write, conv_bytes),
                 view(GDN_QKVC, qkvc, Access::write, rows * C * 2),
                 view(GDN_GATES, gates, Access::write, rows * G.nv * 8)});
   enc.dispatch(KernelId::gdn_scan_bf16, Grid{uint32_t(G.dv / LILY_GDN_SCAN_COLUMNS), uint32_t(G.nv)},
                Grid{LILY_GDN_SCAN_COLUMNS * sg}, args,
                {view(GDN_QKVC, qkvc, Access::read, rows * C * 2), view(GDN_GATES, gates, Access::read, rows * G.nv * 8),
-                view(GDN_REC_STATE, rec_state, Access::read_write, state_bytes),
+                view(GDN_REC_STATE, st.rec_in, Access::read, state_bytes),
+                view(GDN_REC_STATE_OUT, st.rec_out, Access::write, state_bytes),
                 view(GDN_O, o, Access::write, rows * V * 4)});
   enc.dispatch(KernelId::gdn_gated_norm_bf16, Grid{div_up(G.nv, LILY_GDN_NORM_HEADS), uint32_t(T)},
                Grid{LILY_GDN_NORM_HEADS * sg}, args,
@@ -106,18 +108,20 @@ void encode_gdn_prefill(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qk
 }
 
 void encode_gdn_decode(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv, View z, View beta, View alpha,
-                       View conv_state, View rec_state, View out) {
+                       const GdnStates& st, View out) {
   check(G);
   (void)s;  // decode keeps every intermediate on chip
   const GdnArgs args = make_args(G, 1);
   const uint64_t C = uint64_t(args.C), V = uint64_t(G.nv) * G.dv;
+  const uint64_t conv_bytes = uint64_t(G.conv_kernel - 1) * C * 4, state_bytes = uint64_t(G.nv) * G.dk * G.dv * 4;
   enc.dispatch(KernelId::gdn_step_bf16, Grid{uint32_t(G.nk)}, Grid{LILY_GDN_STEP_SIMDGROUPS * LILY_SIMD_WIDTH}, args,
                {view(GDN_QKV, qkv, Access::read, C * 2), view(GDN_Z, z, Access::read, V * 2),
                 view(GDN_B, beta, Access::read, uint64_t(G.nv) * 2), view(GDN_A, alpha, Access::read, uint64_t(G.nv) * 2),
                 vec(GDN_CONV_W, G.conv), vec(GDN_A_LOG, G.A_log), vec(GDN_DT_BIAS, G.dt_bias), vec(GDN_NORM_W, G.norm),
-                view(GDN_CONV_STATE, conv_state, Access::read_write, uint64_t(G.conv_kernel - 1) * C * 4),
-                view(GDN_REC_STATE, rec_state, Access::read_write, uint64_t(G.nv) * G.dk * G.dv * 4),
-                view(GDN_OUT, out, Access::write, V * 2)});
+                view(GDN_CONV_STATE, st.conv_in, Access::read, conv_bytes),
+                view(GDN_REC_STATE, st.rec_in, Access::read, state_bytes), view(GDN_OUT, out, Access::write, V * 2),
+                view(GDN_CONV_STATE_OUT, st.conv_out, Access::write, conv_bytes),
+                view(GDN_REC_STATE_OUT, st.rec_out, Access::write, state_bytes)});
 }
 
 }  // namespace lily::metal

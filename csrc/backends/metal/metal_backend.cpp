@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <deque>
 #include <unordered_map>
 #include <vector>
 
@@ -22,13 +23,24 @@ namespace lily::metal {
 
 namespace {
 
+// TEMP-SAMPLER: stand-ins until the device sampler (metal/sample.metal) is merged.
+struct SampleArgs {};
+inline SampleArgs sample_args(const SamplingParams&, int, uint64_t) { return {}; }
+inline void encode_sample(Encoder&, View, int, const SampleArgs&, View, View, View) {
+  throw std::logic_error("device sampler not merged yet");
+}
+
 // KV cache growth: whole blocks of rows, at least doubling, so growth copies stay O(context) in total.
 constexpr int64_t kKvBlock = 256;
 
 struct MetalState final : State {
   // attention layers: K and V [n_kv, capacity, d] bf16 (Role::kv); GDN layers: conv and recurrent state f32
-  // (Role::state). Null where the layer is the other kind.
-  std::vector<std::shared_ptr<Buffer>> k, v, conv, rec;
+  // (Role::state) in two copies: a chunk or step reads copy `cur` and writes the other, then `cur` flips, so
+  // the state before the last decode step survives it and rollback() is a flip back (the KV row that step
+  // wrote is simply overwritten later). Null where the layer is the other kind.
+  std::vector<std::shared_ptr<Buffer>> k, v, conv[2], rec[2];
+  int cur = 0;
+  bool undoable = false;  // the last command buffer on this state was a decode step rollback() may undo
   // KV growth recorded by reserve() and encoded at the head of the next command buffer: copy the rows
   // [0, rows) of every KV head from `from` (capacity from_cap) into `to` (the new buffer, already in k / v).
   struct Growth { std::shared_ptr<Buffer> from; Buffer* to; int64_t from_cap, to_cap, rows; };
@@ -87,7 +99,7 @@ class MetalBackendImpl final : public MetalBackend {
       if (a == int(Act::logits)) continue;
       act_[a] = dev_->alloc(uint64_t(rows_) * width_[a] * elem(Act(a)), Role::activations, act_name(Act(a)));
     }
-    grow_logits(1);
+    for (auto& row : row_logits_) row = dev_->alloc(uint64_t(c_.vocab) * 4, Role::io, "logits.row");
     route_ids_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.ids");
     route_w_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.weights");
     route_ids_host_ = dev_->alloc(uint64_t(c_.top_k) * 4, Role::io, "moe.ids_host");
@@ -113,11 +125,14 @@ class MetalBackendImpl final : public MetalBackend {
   std::unique_ptr<State> new_state() override {
     auto s = std::make_unique<MetalState>();
     const int L = c_.layers;
-    s->k.resize(L), s->v.resize(L), s->conv.resize(L), s->rec.resize(L);
-    for (int i = 0; i < L; ++i) {
-      if (c_.is_attention(i)) continue;
-      s->conv[i] = zeroed(uint64_t(c_.conv_kernel - 1) * c_.conv_dim() * 4, Role::state, "gdn.conv");
-      s->rec[i] = zeroed(uint64_t(c_.lin_nv) * c_.lin_dk * c_.lin_dv * 4, Role::state, "gdn.rec");
+    s->k.resize(L), s->v.resize(L);
+    for (int copy = 0; copy < 2; ++copy) {
+      s->conv[copy].resize(L), s->rec[copy].resize(L);
+      for (int i = 0; i < L; ++i) {
+        if (c_.is_attention(i)) continue;
+        s->conv[copy][i] = zeroed(uint64_t(c_.conv_kernel - 1) * c_.conv_dim() * 4, Role::state, "gdn.conv");
+        s->rec[copy][i] = zeroed(uint64_t(c_.lin_nv) * c_.lin_dk * c_.lin_dv * 4, Role::state, "gdn.rec");
+      }
     }
     return s;
   }
@@ -188,8 +203,10 @@ class MetalBackendImpl final : public MetalBackend {
     };
     for (int i = 0; i < c_.layers; ++i) {
       c->k.push_back(copy(s.k[i])), c->v.push_back(copy(s.v[i]));
-      c->conv.push_back(copy(s.conv[i])), c->rec.push_back(copy(s.rec[i]));
+      for (int j = 0; j < 2; ++j)
+        c->conv[j].push_back(copy(s.conv[j][i])), c->rec[j].push_back(copy(s.rec[j][i]));
     }
+    c->cur = s.cur;
     return c;
   }
 
@@ -214,8 +231,8 @@ class MetalBackendImpl final : public MetalBackend {
           out.push_back(std::move(t));
         }
       } else {
-        for (auto [nm, buf, shape] : {std::tuple{"conv", s.conv[i].get(), std::vector<int64_t>{c_.conv_kernel - 1, c_.conv_dim()}},
-                                      std::tuple{"rec", s.rec[i].get(), std::vector<int64_t>{c_.lin_nv, c_.lin_dk, c_.lin_dv}}}) {
+        for (auto [nm, buf, shape] : {std::tuple{"conv", s.conv[s.cur][i].get(), std::vector<int64_t>{c_.conv_kernel - 1, c_.conv_dim()}},
+                                      std::tuple{"rec", s.rec[s.cur][i].get(), std::vector<int64_t>{c_.lin_nv, c_.lin_dk, c_.lin_dv}}}) {
           StateTensor t{p + nm, "f32", shape, std::vector<uint8_t>(buf->size)};
           std::memcpy(t.data.data(), buf->contents(), buf->size);
           out.push_back(std::move(t));
@@ -252,13 +269,14 @@ class MetalBackendImpl final : public MetalBackend {
                         t.data.data() + uint64_t(h) * pos * row, uint64_t(pos) * row);
         }
       } else {
-        const auto& cv = find(p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, s.conv[i]->size);
-        const auto& rc = find(p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, s.rec[i]->size);
-        std::memcpy(s.conv[i]->contents(), cv.data.data(), cv.data.size());
-        std::memcpy(s.rec[i]->contents(), rc.data.data(), rc.data.size());
+        const auto& cv = find(p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, s.conv[s.cur][i]->size);
+        const auto& rc = find(p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, s.rec[s.cur][i]->size);
+        std::memcpy(s.conv[s.cur][i]->contents(), cv.data.data(), cv.data.size());
+        std::memcpy(s.rec[s.cur][i]->contents(), rc.data.data(), rc.data.size());
       }
     }
     s.pos = pos;
+    s.undoable = false;
   }
 
 
@@ -268,18 +286,24 @@ class MetalBackendImpl final : public MetalBackend {
     if (cb_) throw std::logic_error("[metal] begin() while a command buffer is being recorded");
     cb_ = dev_->command_buffer();
     enc_ = &cb_->encoder();
-    decode_ = false;
-    slot_ ^= 1;  // the other token slot: the previous step's may still be read by the GPU
+    decode_ = gdn_written_ = false;
+    // The other token slot: the one the previous step selected into is this step's input.
+    slot_ ^= 1;
     if (s_) encode_growth(*enc_, *s_);
   }
 
   void commit() override {
     if (!cb_) throw std::logic_error("[metal] commit() without begin()");
     cb_->commit();
-    inflight_ = std::move(cb_);
-    for (auto& b : retired_recording_) retired_inflight_.push_back(std::move(b));
+    inflight_.push_back({std::move(cb_), ++committed_, std::move(retired_recording_)});
     retired_recording_.clear();
+    for (auto& u : unread_)
+      if (!u.seq) u.seq = committed_;
     enc_ = nullptr;
+    if (s_) {
+      if (gdn_written_) s_->cur ^= 1;
+      s_->undoable = decode_;
+    }
     phase_ = decode_ ? Phase::decode : Phase::prefill;
     account(false);
     last_[int(phase_)].cpu_waits_in_step = in_step_waits_;
@@ -287,31 +311,85 @@ class MetalBackendImpl final : public MetalBackend {
     in_step_waits_ = 0;
   }
 
+  bool pipelines() const override { return opt_.pipeline; }
+  int gdn_state_copies() const override { return 2; }
+  // Undoes the last decode step on st, which may still be in flight: its GDN states went to the other copy,
+  // its KV row lies past the position, its token will not be read.
+  void rollback(State& st) override {
+    auto& s = static_cast<MetalState&>(st);
+    if (!s.undoable || s.pos < 1) throw std::logic_error("[metal] rollback(): the state's last step was not a decode step");
+    if (cb_) throw std::logic_error("[metal] rollback() while a command buffer is being recorded");
+    s.cur ^= 1;  // every decode step runs the GDN layers, so it flipped the copies
+    s.pos -= 1;
+    s.undoable = false;
+    slot_ ^= 1;  // its input slot is the next step's again
+    if (!unread_.empty() && unread_.back().seq == committed_) {
+      unread_.pop_back();
+      if (!params_.greedy()) --draws_;
+    }
+  }
+
   void read_logits(float* out, int rows) override {
-    if (rows > logit_rows_) throw std::out_of_range("[metal] read_logits: " + std::to_string(rows) + " rows, computed " + std::to_string(logit_rows_));
+    if (!last_logits_ || rows > logit_rows_)
+      throw std::out_of_range("[metal] read_logits: " + std::to_string(rows) + " rows, computed " + std::to_string(logit_rows_));
     finish();
-    std::memcpy(out, act_[int(Act::logits)]->contents(), size_t(rows) * c_.vocab * 4);
+    std::memcpy(out, last_logits_->contents(), size_t(rows) * c_.vocab * 4);
   }
 
   // ---------------------------------------------------------------- ops
 
+  // Prompt tokens travel in a buffer of their own command buffer: a shared one could still be read by a
+  // chunk in flight when the CPU writes the next chunk's ids.
   void embed(const int32_t* tokens, int T) override {
     check_rows(T, "embed");
     for (int t = 0; t < T; ++t)
       if (tokens[t] < 0 || tokens[t] >= c_.vocab)
         throw std::out_of_range("[embed] token id " + std::to_string(tokens[t]) + " outside the vocabulary [0, " +
                                 std::to_string(c_.vocab) + ")");
-    Buffer* slot = tokens_[slot_].get();
-    std::memcpy(slot->contents(), tokens, size_t(T) * 4);
-    encode_embed(enc(), embed_, {slot}, view(Act::x), T);
+    auto ids = dev_->alloc(uint64_t(T) * 4, Role::io, "tokens.host");
+    std::memcpy(ids->contents(), tokens, size_t(T) * 4);
+    encode_embed(enc(), embed_, {ids.get()}, view(Act::x), T);
+    retired_recording_.push_back(std::move(ids));
   }
 
-  // The token selected in this step lands in the other slot, the one the next step's begin() switches to.
-  void select_greedy() override { encode_argmax(enc(), view(Act::logits), c_.vocab, {tokens_[slot_ ^ 1].get()}); }
+  // Selection writes token slot slot_ ^ 1, which the next step's begin() makes its input. A step's token and
+  // logits row stay readable until the step after next records (read_token comes before that).
+  void select_begin(const Sampler& sampler) override {
+    finish();  // an earlier generation's last step may still read or write the tables
+    params_ = sampler.params();
+    draws_ = sampler.draws();
+    plain_greedy_ = params_.greedy() && !params_.penalised();
+    if (plain_greedy_) return;
+    if (!seen_) {
+      seen_ = dev_->alloc(uint64_t(c_.vocab), Role::io, "sample.seen");
+      counts_ = dev_->alloc(uint64_t(c_.vocab) * 4, Role::io, "sample.counts");
+    }
+    std::memcpy(seen_->contents(), sampler.seen().data(), size_t(c_.vocab));
+    auto* counts = static_cast<int32_t*>(counts_->contents());
+    std::memset(counts, 0, size_t(c_.vocab) * 4);
+    for (const auto& [token, n] : sampler.counts()) counts[token] = n;
+  }
+  void select_token() override {
+    if (logit_rows_ != 1) throw std::logic_error("[metal] select_token() needs a one-row lm_head first");
+    Buffer* out = tokens_[slot_ ^ 1].get();
+    if (plain_greedy_) {
+      encode_argmax(enc(), {last_logits_}, c_.vocab, {out});
+    } else {
+      encode_sample(enc(), {last_logits_}, c_.vocab, sample_args(params_, c_.vocab, draws_), {seen_.get()},
+                    {counts_.get()}, {out});
+      if (!params_.greedy()) ++draws_;
+    }
+    unread_.push_back({0, slot_ ^ 1, last_logits_});
+  }
   void embed_selected() override { encode_embed(enc(), embed_, {tokens_[slot_].get()}, view(Act::x), 1); }
-  int32_t read_token() override {
-    finish();
-    return static_cast<const int32_t*>(tokens_[slot_ ^ 1]->contents())[0];
+  int32_t read_token(float* logits) override {
+    if (unread_.empty()) throw std::logic_error("[metal] read_token(): no selected token left to read");
+    if (cb_ && !unread_.front().seq) throw std::logic_error("[metal] read_token() of the step being recorded");
+    const Unread u = unread_.front();
+    unread_.pop_front();
+    wait_until(u.seq);
+    if (logits) std::memcpy(logits, u.logits->contents(), size_t(c_.vocab) * 4);
+    return static_cast<const int32_t*>(tokens_[u.slot]->contents())[0];
   }
 
   void rmsnorm(Act in, Act out, const Vec& w, int T) override {
@@ -352,12 +430,12 @@ class MetalBackendImpl final : public MetalBackend {
 
   void gdn_prefill(int layer, int T) override {
     encode_gdn_prefill(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
-                       view(Act::alpha), T, {s_->conv[layer].get()}, {s_->rec[layer].get()}, view(Act::mix));
+                       view(Act::alpha), T, gdn_states(layer), view(Act::mix));
   }
   void gdn_decode(int layer) override {
     decode_ = true;
     encode_gdn_decode(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
-                      view(Act::alpha), {s_->conv[layer].get()}, {s_->rec[layer].get()}, view(Act::mix));
+                      view(Act::alpha), gdn_states(layer), view(Act::mix));
   }
 
   void attn_prepare(int layer, int T, int64_t pos) override {
@@ -391,8 +469,6 @@ class MetalBackendImpl final : public MetalBackend {
       cb_->commit();
       cb_->wait();
       ++in_step_waits_;
-      for (auto& b : retired_recording_) retired_inflight_.push_back(std::move(b));
-      retired_recording_.clear();
       std::memcpy(route_ids_host_->contents(), route_ids_->contents(), size_t(c_.top_k) * 4);
       cb_ = dev_->command_buffer();
       enc_ = &cb_->encoder();
@@ -403,19 +479,27 @@ class MetalBackendImpl final : public MetalBackend {
     topk_pending_ = false;
   }
 
+  // One row (a decode step, a prompt's last row) goes to the logits row of the token slot the step selects
+  // into, so a pipelined step's row stays readable while the next step writes the other one.
   void lm_head(int first, int rows) override {
     check_rows(rows, "lm_head");
-    if (rows > logit_capacity_) grow_logits(rows);
+    if (rows == 1) {
+      last_logits_ = row_logits_[slot_ ^ 1].get();
+    } else {
+      if (rows > logit_capacity_) grow_logits(rows);
+      last_logits_ = act_[int(Act::logits)].get();
+    }
     logit_rows_ = rows;
+    const View logits{last_logits_, 0};
     if (rows == 1 && opt_.fuse_norm_project && proj_fits()) {
-      const ProjTarget t{&lm_head_, view(Act::logits)};
+      const ProjTarget t{&lm_head_, logits};
       encode_norm_project(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, c_.rms_eps, c_.hidden, &t, 1,
                           true);
       return;
     }
     encode_rmsnorm(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, view(Act::xn), rows, c_.hidden,
                    c_.rms_eps);
-    encode_project(enc(), lm_head_, view(Act::xn), view(Act::logits), rows, OutMode::f32);
+    encode_project(enc(), lm_head_, view(Act::xn), logits, rows, OutMode::f32);
   }
 
  private:
@@ -482,6 +566,11 @@ class MetalBackendImpl final : public MetalBackend {
     act_[int(Act::logits)] = dev_->alloc(uint64_t(rows) * c_.vocab * 4, Role::io, "logits");
     logit_capacity_ = rows;
   }
+  GdnStates gdn_states(int layer) {
+    gdn_written_ = true;
+    const int a = s_->cur, b = a ^ 1;
+    return {{s_->conv[a][layer].get()}, {s_->rec[a][layer].get()}, {s_->conv[b][layer].get()}, {s_->rec[b][layer].get()}};
+  }
   void check_rows(int T, const char* op) const {
     if (T < 1 || T > rows_)
       throw std::out_of_range(std::string("[") + op + "] " + std::to_string(T) + " rows, chunk limit is " + std::to_string(rows_));
@@ -491,21 +580,27 @@ class MetalBackendImpl final : public MetalBackend {
     return *enc_;
   }
 
-  // Waits for the command buffer in flight (a CPU wait, counted for the phase it ran).
-  void finish() {
-    if (!inflight_) return;
-    inflight_->wait();
-    inflight_.reset();
-    retired_inflight_.clear();
+  // Waits for the command buffers committed up to `seq` (CPU waits, counted for the phase last committed; one
+  // that leaves nothing queued is a drained wait: the GPU idles until the CPU commits again).
+  void wait_until(uint64_t seq) {
+    while (!inflight_.empty() && inflight_.front().seq <= seq) {
+      inflight_.front().cb->wait();
+      inflight_.pop_front();
+      if (inflight_.empty()) ++drained_waits_;
+    }
     account(true);
   }
+  void finish() { wait_until(committed_); }
   void account(bool add_to_last) {
     const Counters now = dev_->counters();
     const Counters d = now.since(prev_);
     prev_ = now;
-    if (add_to_last) last_[int(phase_)].add(d);
-    else last_[int(phase_)] = d;
-    total_[int(phase_)].add(d);
+    Counters d2 = d;
+    d2.cpu_waits_drained = drained_waits_;
+    drained_waits_ = 0;
+    if (add_to_last) last_[int(phase_)].add(d2);
+    else last_[int(phase_)] = d2;
+    total_[int(phase_)].add(d2);
   }
 
   const Model& m_;
@@ -527,18 +622,38 @@ class MetalBackendImpl final : public MetalBackend {
   std::shared_ptr<AttnScratch> attn_scratch_;
   int64_t width_[int(Act::count)] = {};
   std::shared_ptr<Buffer> act_[int(Act::count)];
-  std::shared_ptr<Buffer> route_ids_, route_w_, route_ids_host_, tokens_[2];
+  std::shared_ptr<Buffer> route_ids_, route_w_, route_ids_host_;
+  // Token selection: two slots (a step's input and the token it selects), each with its logits row; the
+  // device sampler's penalty tables (seen u8 [V], counts i32 [V]) and the generation's parameters.
+  std::shared_ptr<Buffer> tokens_[2], row_logits_[2], seen_, counts_;
+  SamplingParams params_;
+  uint64_t draws_ = 0;
+  bool plain_greedy_ = true;
+  struct Unread {
+    uint64_t seq;   // the command buffer that selects it (0: being recorded)
+    int slot;
+    Buffer* logits;
+  };
+  std::deque<Unread> unread_;  // selected tokens not read yet, oldest first
   MetalOptions opt_;
   bool topk_pending_ = false;     // moe_norm_route left the top-k to moe_decode's gate/up GEMV
   uint64_t in_step_waits_ = 0;    // CPU waits while this step was being recorded
-  // Old KV buffers that growth copies read: of the command buffer being recorded / of those committed (Metal
-  // retains what a command buffer binds too; the emulator runs a command buffer at commit).
-  std::vector<std::shared_ptr<Buffer>> retired_recording_, retired_inflight_;
+  // Buffers only the command buffer being recorded uses (old KV buffers that growth copies read, prompt ids):
+  // kept alive until it completes (Metal retains what a command buffer binds too).
+  std::vector<std::shared_ptr<Buffer>> retired_recording_;
+  struct InFlight {
+    std::unique_ptr<CommandBuffer> cb;
+    uint64_t seq;
+    std::vector<std::shared_ptr<Buffer>> retired;
+  };
+  std::deque<InFlight> inflight_;  // committed, not waited for, oldest first
+  uint64_t committed_ = 0, drained_waits_ = 0;
   int slot_ = 0, logit_rows_ = 0, logit_capacity_ = 0;
+  Buffer* last_logits_ = nullptr;  // what the last lm_head wrote
   MetalState* s_ = nullptr;
-  std::unique_ptr<CommandBuffer> cb_, inflight_;
+  std::unique_ptr<CommandBuffer> cb_;
   Encoder* enc_ = nullptr;
-  bool decode_ = false;
+  bool decode_ = false, gdn_written_ = false;
   Phase phase_ = Phase::prefill;
   Counters prev_, last_[2], total_[2];
 };

@@ -35,6 +35,10 @@ struct MetalOptions {
   bool gpu_routing = true;
   // Prefill grouped-GEMM tile rows: 0 the rule of moe_tile_rows (32 from 32 rows per expert), or 16 / 32.
   int moe_tile_rows = 0;
+  // Decode with two command buffers in flight: Generation commits step n + 1 before it waits for step n's
+  // token (rolling that step back when the token ends the generation). Off: one step at a time, the GPU
+  // idle while the CPU reads each token and encodes the next step.
+  bool pipeline = true;
 };
 
 class MetalBackend : public lily::Backend {

@@ -322,12 +322,21 @@ class ReferenceBackend final : public Backend {
     matmul(m_.lm_head, 0, row(Act::xn, 0), width(Act::xn), rows, row(Act::logits, 0), width(Act::logits), false);
   }
 
-  void select_greedy() override {
-    const float* l = row(Act::logits, 0);
-    selected_ = int32_t(std::max_element(l, l + c_.vocab) - l);  // first maximum, like numpy
+  // The host's own Sampler, run where the device's would be: the oracle the metal sampler is tested against.
+  void select_begin(const Sampler& sampler) override { sampler_ = std::make_unique<Sampler>(sampler); }
+  void select_token() override {
+    if (!sampler_) throw std::logic_error("[reference] select_token() before select_begin()");
+    selected_ = sampler_->sample(row(Act::logits, 0)).token;
+    sampler_->accept(selected_);
+    pending_ = true;
   }
   void embed_selected() override { embed(&selected_, 1); }
-  int32_t read_token() override { return selected_; }
+  int32_t read_token(float* logits) override {
+    if (!pending_) throw std::logic_error("[reference] read_token() with no step's token unread");
+    pending_ = false;
+    if (logits) std::memcpy(logits, row(Act::logits, 0), size_t(c_.vocab) * 4);
+    return selected_;
+  }
 
   void read_logits(float* out, int rows) override {
     std::memcpy(out, row(Act::logits, 0), size_t(rows) * c_.vocab * 4);
@@ -498,7 +507,9 @@ class ReferenceBackend final : public Backend {
   std::vector<float> q_;                 // [T, n_q, d] normed + RoPE'd queries
   std::vector<int> route_ids_;           // [T, k]
   std::vector<float> route_w_;           // [T, k] renormalised routing weights
-  int32_t selected_ = 0;                 // the greedy token of the last select_greedy
+  std::unique_ptr<Sampler> sampler_;      // select_begin's copy of the generation's sampler
+  int32_t selected_ = 0;                 // the token of the last select_token
+  bool pending_ = false;                 // selected_ not read yet
   RefState* s_ = nullptr;
 };
 
