@@ -15,8 +15,18 @@
 // dispatch (h bf16 [k + 1, I]), and down + routing weight + sigmoid-gated shared expert added into x, which
 // reads each selected weight byte once. Weights: MLX affine q4/q8 (groups of 64, bf16 scale/bias, w = s*q + b
 // in fp32) or bf16, addressed by the byte strides of MoeMatrixStrides.
+//
+// The grouped GEMMs have two matrix paths over the same block map, tiles and epilogues, chosen at run time by
+// csrc/backends/metal/moe.cpp as the dense GEMM's are (metal/qgemm.metal):
+//   moe_gemm_<op>_<w>_bm<BM>         simdgroup_matrix 8x8 (every Apple7+ GPU; MSL 3.1);
+//   moe_gemm_<op>_tensor_<w>_bm<BM>  Metal 4 tensor ops (matmul2d on the M5's Neural Accelerators; MSL 4.0,
+//                                    compiled only where __METAL_VERSION__ >= 400).
 // Previous hop: csrc/backends/metal/moe.cpp (encode_moe_route, encode_moe_prefill, encode_moe_decode).
 #include <metal_stdlib>
+#if __METAL_VERSION__ >= 400
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+#endif
 #include "lily_args.h"
 #include "quant.h"
 
@@ -301,6 +311,22 @@ inline void moe_load_x_tile(threadgroup bfloat* tile, device const bfloat* x, de
   }
 }
 
+// The epilogues of the finished tile, one element (tile row r = slot first + r, column n0 + c) at a time, shared
+// by both matrix paths; rows past the block's and columns past N are dropped.
+// gate_up: h[slot] = bf16(SiLU(gate . x) * (up . x)), from the fp32 accumulators.
+inline float moe_swiglu(float g, float u) { return moe_silu(g) * u; }
+inline void moe_store_h(constant MoeGemmArgs& args, device bfloat* h, int first, int rows, int n0, int r, int c, float v) {
+  if (r < rows && n0 + c < args.N) h[long(first + r) * args.ld_out + n0 + c] = bfloat(v);
+}
+// down: y[slot] = w(slot) * (down . h[slot]), w the routing weight (routed) or sigmoid of the shared gate logit.
+inline void moe_store_y(constant MoeGemmArgs& args, device float* y, device const float* row_weight, int first, int rows,
+                        int n0, int r, int c, float v) {
+  if (r < rows && n0 + c < args.N) {
+    const float rw = row_weight[first + r];
+    y[long(first + r) * args.ld_out + n0 + c] = (args.weight_sigmoid ? moe_sigmoid(rw) : rw) * v;
+  }
+}
+
 // acc[i][j] += X[16 wm + 8 i, :] . W[16 wn + 8 j, :]^T over one BK step (W tile stored [n][k], loaded
 // transposed as the [k][n] right operand).
 inline void moe_mma_step(thread simdgroup_float8x8 (&acc)[2][2], threadgroup const bfloat* xs,
@@ -358,14 +384,12 @@ kernel void moe_gemm_gate_up(constant MoeGemmArgs& args [[buffer(0)]],
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 2; ++j) {
       for (int q = 0; q < 2; ++q)
-        accg[i][j].thread_elements()[q] = moe_silu(accg[i][j].thread_elements()[q]) * accu[i][j].thread_elements()[q];
+        accg[i][j].thread_elements()[q] = moe_swiglu(accg[i][j].thread_elements()[q], accu[i][j].thread_elements()[q]);
       simdgroup_store(accg[i][j], os, LILY_MOE_GEMM_BN, ulong2(wn * 16 + j * 8, wm * 16 + i * 8));
     }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int u = int(tid); u < BM * LILY_MOE_GEMM_BN; u += int(nthreads)) {
-    const int r = u / LILY_MOE_GEMM_BN, c = u % LILY_MOE_GEMM_BN;
-    if (r < rows && n0 + c < args.N) h[long(first + r) * args.ld_out + n0 + c] = bfloat(os[u]);
-  }
+  for (int u = int(tid); u < BM * LILY_MOE_GEMM_BN; u += int(nthreads))
+    moe_store_h(args, h, first, rows, n0, u / LILY_MOE_GEMM_BN, u % LILY_MOE_GEMM_BN, os[u]);
 }
 
 // FMT: weight format of down. BM as above. y[slot] = w(slot) * (down . h[slot]) (rows are contiguous slots).
@@ -403,13 +427,8 @@ kernel void moe_gemm_down(constant MoeGemmArgs& args [[buffer(0)]],
     for (int j = 0; j < 2; ++j)
       simdgroup_store(acc[i][j], os, LILY_MOE_GEMM_BN, ulong2(wn * 16 + j * 8, wm * 16 + i * 8));
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int u = int(tid); u < BM * LILY_MOE_GEMM_BN; u += int(nthreads)) {
-    const int r = u / LILY_MOE_GEMM_BN, c = u % LILY_MOE_GEMM_BN;
-    if (r < rows && n0 + c < args.N) {
-      const float rw = row_weight[first + r];
-      y[long(first + r) * args.ld_out + n0 + c] = (args.weight_sigmoid ? moe_sigmoid(rw) : rw) * os[u];
-    }
-  }
+  for (int u = int(tid); u < BM * LILY_MOE_GEMM_BN; u += int(nthreads))
+    moe_store_y(args, y, row_weight, first, rows, n0, u / LILY_MOE_GEMM_BN, u % LILY_MOE_GEMM_BN, os[u]);
 }
 
 // x[t, c] += sum_j y[slot_of[t*k + j], c] + shared[t, c]; grid (ceil(H / 256), T).
@@ -614,3 +633,140 @@ template [[host_name("moe_gemv_down_bf16")]] [[kernel]] void moe_gemv_down<LILY_
     constant MoeGemvArgs&, device const bfloat*, device const int*, device const float*, device const float*,
     device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*,
     device const bfloat*, device float*, uint, uint, uint);
+
+#if __METAL_VERSION__ >= 400
+// ---------------------------------------------------------------- prefill: grouped GEMM on Metal 4 tensor ops
+
+using namespace mpp::tensor_ops;
+
+// The same block map, tiles and epilogues as moe_gemm_gate_up / moe_gemm_down; each BM x 32 x 64 step is one
+// matmul2d per weight tile over the threadgroup's BM / 8 simdgroups (the simdgroup_matrix kernels' thread
+// count): C[slot][n] += X[slot][k] * W[n][k]^T, left = the activation tile (BM x BK: extents (BK, BM),
+// dimension 0 contiguous), right = the [n][k] weight tile transposed (extents (BK, BN), transpose_right), the
+// destination an fp32 cooperative tensor that stays in registers across k steps. Its layout is opaque: the
+// epilogue asks each element's tile position (get_multidimensional_index: (column, row)).
+template <int BM>
+using moe_matmul = matmul2d<matmul2d_descriptor(BM, LILY_MOE_GEMM_BN, LILY_MOE_GEMM_BK, false, true, false,
+                                                matmul2d_descriptor::mode::multiply_accumulate),
+                            execution_simdgroups<BM / 8>>;
+
+// A ROWS x BK tile in threadgroup memory ([row][k]) as a matmul2d operand.
+template <int ROWS>
+inline tensor<threadgroup bfloat, dextents<int32_t, 2>, tensor_inline> moe_tile_tensor(threadgroup bfloat* tile) {
+  return tensor<threadgroup bfloat, dextents<int32_t, 2>, tensor_inline>(tile, dextents<int32_t, 2>(LILY_MOE_GEMM_BK, ROWS));
+}
+
+// A destination starts undefined and multiply_accumulate adds into it.
+template <class C>
+inline void moe_coop_zero(thread C& acc) {
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i)
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
+}
+
+// FMT, BM as moe_gemm_gate_up. The gate and up destinations come from one op, so element i of both is the same
+// tile position and SwiGLU pairs them element by element.
+template <int FMT, int BM>
+kernel void moe_gemm_gate_up_tensor(constant MoeGemmArgs& args [[buffer(0)]],
+                                    device const bfloat* x [[buffer(LILY_MOE_GEMM_X)]],
+                                    device const int* slot_token [[buffer(LILY_MOE_GEMM_SLOT_TOKEN)]],
+                                    device const int4* blocks [[buffer(LILY_MOE_GEMM_BLOCKS)]],
+                                    device const uchar* gw [[buffer(LILY_MOE_GEMM_W0)]],
+                                    device const bfloat* gs [[buffer(LILY_MOE_GEMM_S0)]],
+                                    device const bfloat* gb [[buffer(LILY_MOE_GEMM_B0)]],
+                                    device const uchar* uw [[buffer(LILY_MOE_GEMM_W1)]],
+                                    device const bfloat* us [[buffer(LILY_MOE_GEMM_S1)]],
+                                    device const bfloat* ub [[buffer(LILY_MOE_GEMM_B1)]],
+                                    device bfloat* h [[buffer(LILY_MOE_GEMM_OUT)]],
+                                    uint2 tg [[threadgroup_position_in_grid]],
+                                    uint tid [[thread_index_in_threadgroup]],
+                                    uint nthreads [[threads_per_threadgroup]]) {
+  int expert, first, rows;
+  if (!moe_block(args, blocks, int(tg.y), BM, expert, first, rows)) return;  // uniform per threadgroup
+  const int n0 = int(tg.x) * LILY_MOE_GEMM_BN;
+  threadgroup bfloat xs[BM * LILY_MOE_GEMM_BK];
+  threadgroup bfloat gt[LILY_MOE_GEMM_BN * LILY_MOE_GEMM_BK];
+  threadgroup bfloat ut[LILY_MOE_GEMM_BN * LILY_MOE_GEMM_BK];
+  auto tx = moe_tile_tensor<BM>(xs);
+  auto tgate = moe_tile_tensor<LILY_MOE_GEMM_BN>(gt);
+  auto tup = moe_tile_tensor<LILY_MOE_GEMM_BN>(ut);
+  moe_matmul<BM> mm;
+  auto accg = mm.template get_destination_cooperative_tensor<decltype(tx), decltype(tgate), float>();
+  auto accu = mm.template get_destination_cooperative_tensor<decltype(tx), decltype(tup), float>();
+  moe_coop_zero(accg);
+  moe_coop_zero(accu);
+  for (int k0 = 0; k0 < args.K; k0 += LILY_MOE_GEMM_BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous step's tiles are consumed
+    moe_load_x_tile<BM>(xs, x, slot_token, !args.dense, first, rows, args.K, k0, tid, nthreads);
+    moe_load_w_tile<FMT>(gt, gw, gs, gb, args.W, expert, n0, args.N, k0, tid, nthreads);
+    moe_load_w_tile<FMT>(ut, uw, us, ub, args.W, expert, n0, args.N, k0, tid, nthreads);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    mm.run(tx, tgate, accg);
+    mm.run(tx, tup, accu);
+  }
+  for (uint16_t i = 0; i < accg.get_capacity(); ++i) {
+    if (!accg.is_valid_element(i)) continue;
+    const auto idx = accg.get_multidimensional_index(i);
+    moe_store_h(args, h, first, rows, n0, int(idx[1]), int(idx[0]), moe_swiglu(accg[i], accu[i]));
+  }
+}
+
+// FMT, BM as moe_gemm_down.
+template <int FMT, int BM>
+kernel void moe_gemm_down_tensor(constant MoeGemmArgs& args [[buffer(0)]],
+                                 device const bfloat* hin [[buffer(LILY_MOE_GEMM_X)]],
+                                 device const int4* blocks [[buffer(LILY_MOE_GEMM_BLOCKS)]],
+                                 device const float* row_weight [[buffer(LILY_MOE_GEMM_WEIGHT)]],
+                                 device const uchar* dw [[buffer(LILY_MOE_GEMM_W0)]],
+                                 device const bfloat* ds [[buffer(LILY_MOE_GEMM_S0)]],
+                                 device const bfloat* db [[buffer(LILY_MOE_GEMM_B0)]],
+                                 device float* y [[buffer(LILY_MOE_GEMM_OUT)]],
+                                 uint2 tg [[threadgroup_position_in_grid]],
+                                 uint tid [[thread_index_in_threadgroup]],
+                                 uint nthreads [[threads_per_threadgroup]]) {
+  int expert, first, rows;
+  if (!moe_block(args, blocks, int(tg.y), BM, expert, first, rows)) return;
+  const int n0 = int(tg.x) * LILY_MOE_GEMM_BN;
+  threadgroup bfloat xs[BM * LILY_MOE_GEMM_BK];
+  threadgroup bfloat wt[LILY_MOE_GEMM_BN * LILY_MOE_GEMM_BK];
+  auto tx = moe_tile_tensor<BM>(xs);
+  auto tw = moe_tile_tensor<LILY_MOE_GEMM_BN>(wt);
+  moe_matmul<BM> mm;
+  auto acc = mm.template get_destination_cooperative_tensor<decltype(tx), decltype(tw), float>();
+  moe_coop_zero(acc);
+  for (int k0 = 0; k0 < args.K; k0 += LILY_MOE_GEMM_BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    moe_load_x_tile<BM>(xs, hin, nullptr, false, first, rows, args.K, k0, tid, nthreads);
+    moe_load_w_tile<FMT>(wt, dw, ds, db, args.W, expert, n0, args.N, k0, tid, nthreads);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    mm.run(tx, tw, acc);
+  }
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);
+    moe_store_y(args, y, row_weight, first, rows, n0, int(idx[1]), int(idx[0]), acc[i]);
+  }
+}
+
+#define LILY_MOE_GEMM_GATE_UP_TENSOR(name, FMT, BM)                                                            \
+  template [[host_name(name)]] [[kernel]] void moe_gemm_gate_up_tensor<FMT, BM>(                              \
+      constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,  \
+      device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, \
+      device bfloat*, uint2, uint, uint);
+#define LILY_MOE_GEMM_DOWN_TENSOR(name, FMT, BM)                                                              \
+  template [[host_name(name)]] [[kernel]] void moe_gemm_down_tensor<FMT, BM>(                                 \
+      constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*, \
+      device const bfloat*, device const bfloat*, device float*, uint2, uint, uint);
+
+LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q4_bm16", LILY_W_Q4, 16)
+LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q4_bm32", LILY_W_Q4, 32)
+LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q8_bm16", LILY_W_Q8, 16)
+LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q8_bm32", LILY_W_Q8, 32)
+LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_bf16_bm16", LILY_W_BF16, 16)
+LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_bf16_bm32", LILY_W_BF16, 32)
+LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q4_bm16", LILY_W_Q4, 16)
+LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q4_bm32", LILY_W_Q4, 32)
+LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q8_bm16", LILY_W_Q8, 16)
+LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q8_bm32", LILY_W_Q8, 32)
+LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_bf16_bm16", LILY_W_BF16, 16)
+LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_bf16_bm32", LILY_W_BF16, 32)
+#endif  // __METAL_VERSION__ >= 400

@@ -1,7 +1,8 @@
 """The whole Metal backend, run by the emulator (backend "metal-emu"), against the fp32 reference backend on the
 tiny models of tests/tinymodels.py: logits of a prefill and of decode steps no further from the fp32 oracle
 than transformers in bf16 is from transformers in fp32 on the same weights; greedy tokens identical on a
-peaked model; prefill chunking and splitting invariance; the device counters of a decode step.
+peaked model; prefill chunking and splitting invariance; the device counters of a decode step; a device with
+Metal 4 tensor ops (matmul2d prefill GEMMs) against one without.
 
 The MLX 4-bit models are the case the unaligned-tensor fix covers: mlx writes safetensors without padding the
 header, so its tensors start at odd file offsets (decode's MoE GEMV once faulted there). All engines but the
@@ -282,3 +283,30 @@ def test_kv_growth_keeps_the_cache_on_the_device():
     after = chunked.counters()["prefill"]["total"]
     assert after["cpu_waits"] - before.get("cpu_waits", 0) == 1
     assert after["kernels"].get("copy_rows", 0) - before.get("kernels", {}).get("copy_rows", 0) == 2
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_tensor_ops_prefill(tile, ids, monkeypatch):
+    """A device with Metal 4 tensor ops ($LILY_METAL_EMU_TENSOR_OPS, as an M5 reports them) runs every prefill
+    GEMM on matmul2d (dense qgemm_tensor_*, MoE moe_gemm_*_tensor_*, for both grouped-GEMM tile heights); its
+    prefill logits must match the simdgroup_matrix device's within bf16 noise (the paths accumulate in fp32 in
+    another order, which can move a bf16 rounding of an activation)."""
+    prompt, _ = ids
+    logits, kernels = {}, {}
+    for on in (False, True):
+        monkeypatch.setenv("LILY_METAL_EMU_TENSOR_OPS", "1" if on else "0")
+        e = lily.Engine.from_pretrained(tm.get_model(tm.INTERVAL2, "mlx_q4_bf16"), backend="metal-emu",
+                                        count_bytes=False, metal_options={"moe_tile_rows": tile})
+        logits[on] = e.logits(prompt, e.new_session())
+        kernels[on] = e.counters()["prefill"]["total"]["kernels"]
+    assert not [n for n in kernels[False] if "_tensor_" in n]
+    for op in ("moe_gemm_gate_up_tensor_", "moe_gemm_down_tensor_"):
+        assert [n for n in kernels[True] if n.startswith(op) and n.endswith(f"_bm{tile}")], kernels[True]
+    assert any(n.startswith("qgemm_tensor_") for n in kernels[True])
+    assert not [n for n in kernels[True] if n.startswith(("moe_gemm_gate_up_", "moe_gemm_down_", "qgemm_"))
+                and "_tensor_" not in n]
+    assert np.all(np.isfinite(logits[True]))
+    rel = tm.rel_err_per_position(logits[True], logits[False])
+    kl = tm.mean_kl(logits[False], logits[True])
+    print(f"tile {tile}: tensor ops vs simdgroup_matrix: max rel {rel.max():.3e}, KL {kl:.3e}")
+    assert rel.max() <= 1e-2 and kl <= 1e-4, (rel.max(), kl)

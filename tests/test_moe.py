@@ -1,10 +1,15 @@
 """The MoE family (metal/moe.metal through csrc/backends/metal/moe.cpp) on the emulated device against
 tests/reference/moe.py: routing (softmax, top-k with ties -> lower index, renormalisation), the GPU-built
 grouping (histogram, offsets, block map, scatter) checked exactly, the prefill grouped GEMMs with both tile
-heights (bitwise equal), decode's fused GEMVs, an empty expert, a one-row expert, every assignment on one
+heights (bitwise equal) and both matrix paths (simdgroup_matrix, and Metal 4 matmul2d through the emulator's
+tensor shim: selected by the device's tensor ops or forced), decode's fused GEMVs, an empty expert, a one-row expert, every assignment on one
 expert, T = 1, 3, 17, 40 with E = 8, 16 and k = 2, 4, 8, q4 / q8 / bf16 weights, HF's fused gate_up layout,
 under the forward, reverse and random schedules. The Counters show decode reads the selected experts' bytes
 once and a whole layer runs in one command buffer whose only CPU wait is the final one."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -72,12 +77,13 @@ def random_routes(rng, T, E, k):
     return ids, (w / w.sum(1, keepdims=True)).astype(np.float32)
 
 
-def call(mode, mats, E, k, H, I, Is, xn, x, ids=None, w=None, tile=0, order=0, seed=0, skew=0):
+def call(mode, mats, E, k, H, I, Is, xn, x, ids=None, w=None, tile=0, order=0, seed=0, skew=0, tensor_ops=False,
+         path="auto"):
     T = xn.shape[0]
     ids = np.zeros((T, k), np.int32) if ids is None else np.ascontiguousarray(ids, np.int32)
     w = np.zeros((T, k), np.float32) if w is None else np.ascontiguousarray(w, np.float32)
     return kernels.moe(mode, mats, E, k, H, I, Is, xn, x, ids, w, tile_rows=tile, order=order, seed=seed,
-                       weight_skew=skew)
+                       weight_skew=skew, tensor_ops=tensor_ops, path=path)
 
 
 def check_close(got, want, rel=3e-3):
@@ -182,6 +188,90 @@ def test_prefill(T, E, k, fmt, order, kind):
         assert r["counters"]["cpu_waits"] == 1 and r["counters"]["command_buffers"] == 1
         outs.append(r["x"])
     np.testing.assert_array_equal(outs[0], outs[1])  # the tile height changes no row's arithmetic
+
+
+def uneven_routes(rng, T, E, k):
+    """Experts 0 and 1 get no row, expert 2 one per token (T rows: more than one tile of either height for
+    T > 32), expert 3 exactly one, the rest random; each token's k experts in random j order."""
+    ids = np.empty((T, k), np.int32)
+    for t in range(T):
+        rest = rng.choice(np.arange(4, E), k - 1, replace=False)
+        ids[t] = rng.permutation(np.concatenate([[2], rest]))
+    t = T // 2
+    ids[t, np.flatnonzero(ids[t] != 2)[0]] = 3
+    w = rng.random((T, k)).astype(np.float32) + np.float32(0.05)
+    return ids, (w / w.sum(1, keepdims=True)).astype(np.float32)
+
+
+def gemm_kernels(r):
+    return {name: n for name, n in r["counters"]["kernels"].items() if name.startswith("moe_gemm_")}
+
+
+# Both matrix paths of the grouped GEMMs (simdgroup_matrix: moe_gemm_*; Metal 4 matmul2d: moe_gemm_*_tensor_*)
+# over fresh random weights, inputs and uneven routes, for both tile heights, under the three schedules.
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("tile", [16, 32])
+def test_prefill_paths(rng, tile, order):
+    fmt = ("q4", "q8", "bf16")[(order + tile // 16) % 3]
+    T, E, k, H, I, Is = 37, 12, 3, 128, 64, 128
+    mats, f = make_layer(int(rng.integers(1 << 30)), H, E, I, Is, fmt=fmt, fused=order == 1)
+    xn, x = inputs(int(rng.integers(1 << 30)), T, H)
+    ids, w = uneven_routes(rng, T, E, k)
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    assert counts[0] == counts[1] == 0 and counts[2] == T > tile and counts[3] == 1
+    want = ref.moe(xn, x, ids, w, f, round_weights=True)
+    seed = int(rng.integers(1 << 30))
+    a = call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, tile=tile, order=order, seed=seed, tensor_ops=True,
+             path="simdgroup")
+    b = call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, tile=tile, order=order, seed=seed, tensor_ops=True,
+             path="tensor")
+    for r in (a, b):
+        check_grouping(r, ids, w, E, k)
+        check_close(r["x"], want)
+    # The same tiles and fp32 accumulation both ways, in another order on the GPU (8-deep simdgroup_matrix
+    # steps vs one 64-deep matmul2d step): equal up to fp32 reordering, which can move a bf16 rounding of h.
+    np.testing.assert_allclose(a["x"], b["x"], rtol=0, atol=1e-3 * np.abs(want).max())
+    # Routed and shared expert: one gate_up and one down dispatch each, on the path asked for.
+    suffix = f"_{fmt}_bm{tile}"
+    assert gemm_kernels(a) == {"moe_gemm_gate_up" + suffix: 2, "moe_gemm_down" + suffix: 2}
+    assert gemm_kernels(b) == {"moe_gemm_gate_up_tensor" + suffix: 2, "moe_gemm_down_tensor" + suffix: 2}
+
+
+def test_prefill_path_selection():
+    """automatic: the device decides (enc.tensor_ops); decode's GEMVs have one path; forcing the tensor path
+    needs a device with tensor ops."""
+    T, E, k, H, I, Is = 9, 8, 2, 128, 64, 64
+    mats, f = make_layer(12, H, E, I, Is, fmt="q8")
+    xn, x = inputs(12, T, H)
+    ids, w = random_routes(np.random.default_rng(12), T, E, k)
+    prefill = lambda **kw: gemm_kernels(call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, tile=16, **kw))
+    assert prefill(tensor_ops=False) == {"moe_gemm_gate_up_q8_bm16": 2, "moe_gemm_down_q8_bm16": 2}
+    assert prefill(tensor_ops=True) == {"moe_gemm_gate_up_tensor_q8_bm16": 2, "moe_gemm_down_tensor_q8_bm16": 2}
+    assert prefill(tensor_ops=True, path="simdgroup") == {"moe_gemm_gate_up_q8_bm16": 2, "moe_gemm_down_q8_bm16": 2}
+    with pytest.raises(ValueError, match=r"\[moe_prefill\].*without Metal 4 tensor ops"):
+        prefill(tensor_ops=False, path="tensor")
+    with pytest.raises(ValueError, match="path"):
+        prefill(path="ane")
+    r = call("layer", mats, E, k, H, I, Is, xn[:1], x[:1], tensor_ops=True)
+    assert not gemm_kernels(r) and any(n.startswith("moe_gemv_") for n in r["counters"]["kernels"])
+
+
+def test_moe_compiles_for_both_language_versions():
+    # Non-tensor GPUs compile metal/ as MSL 3.1, where the tensor variants are absent (#if __METAL_VERSION__ >=
+    # 400); the emulated library is MSL 4.0 with both.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = {}
+    for version in (310, 400):
+        r = subprocess.run([sys.executable, os.path.join(root, "csrc", "mslemu", "lower.py"), "check",
+                            os.path.join(root, "metal", "moe.metal"), "-I", os.path.join(root, "metal"),
+                            "--metal-version", str(version)], capture_output=True, text=True)
+        if r.returncode and "clang++ not found" in r.stderr:
+            pytest.skip("needs clang++")
+        assert r.returncode == 0, r.stderr
+        names[version] = set(r.stdout.split(": ", 2)[-1].rstrip(")\n").split(", "))
+    assert "moe_gemm_gate_up_q4_bm16" in names[310] and not [n for n in names[310] if "_tensor_" in n]
+    assert names[400] - names[310] == {f"moe_gemm_{op}_tensor_{w}_bm{bm}" for op in ("gate_up", "down")
+                                       for w in ("q4", "q8", "bf16") for bm in (16, 32)}
 
 
 def test_prefill_fused_gate_up_and_auto_tile():

@@ -45,6 +45,13 @@ nb::dict counters_dict(const Counters& c) {
   return d;
 }
 
+GemmPath gemm_path(const std::string& name) {
+  if (name == "auto") return GemmPath::automatic;
+  if (name == "simdgroup") return GemmPath::simdgroup;
+  if (name == "tensor") return GemmPath::tensor;
+  throw std::invalid_argument("[kernels] path: 'auto', 'simdgroup' or 'tensor', got '" + name + "'");
+}
+
 KernelRun::KernelRun(int order, uint64_t seed, int workers, bool count_bytes, int tensor_ops) {
   EmuOptions o;
   o.tensor_ops = tensor_ops;

@@ -32,6 +32,9 @@ std::vector<std::string> emu_library_kernels(const std::string& library);
 // "bytes_written": {role: n}}.
 nanobind::dict counters_dict(const Counters& c);
 
+// A test's GEMM path by name: "auto", "simdgroup" or "tensor" (encoders.h GemmPath).
+GemmPath gemm_path(const std::string& name);
+
 template <class T>
 using HostArray = nanobind::ndarray<const T, nanobind::c_contig, nanobind::device::cpu>;
 template <class T>

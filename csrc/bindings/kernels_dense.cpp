@@ -23,11 +23,7 @@ void init_kernels_dense(nb::module_& k) {
          int rows, int cols, const HostArray<uint16_t>& x, int mode, const HostArray<float>& residual, int order,
          uint64_t seed, uint64_t weight_skew, bool tensor_ops, const std::string& path) {
         if (mode < 0 || mode > 2) throw std::invalid_argument("[kernels] mode: 0 bf16, 1 f32, 2 f32 add");
-        GemmPath p;
-        if (path == "auto") p = GemmPath::automatic;
-        else if (path == "simdgroup") p = GemmPath::simdgroup;
-        else if (path == "tensor") p = GemmPath::tensor;
-        else throw std::invalid_argument("[kernels] path: 'auto', 'simdgroup' or 'tensor'");
+        const GemmPath p = gemm_path(path);
         KernelRun run(order, seed, 0, true, tensor_ops ? 1 : 0);
         const DeviceMatrix W = upload_matrix(run, w, scales, biases, bits, rows, cols, weight_skew);
         const int T = int(x.shape(0));

@@ -79,7 +79,8 @@ void init_kernels_moe(nb::module_& k) {
       "moe",
       [](const std::string& mode, const std::vector<MatrixSpec>& mats, int experts, int top_k, int hidden, int inter,
          int shared_inter, const HostArray<uint16_t>& xn, const HostArray<float>& x, const HostArray<int32_t>& ids_in,
-         const HostArray<float>& weights_in, int tile_rows, int order, uint64_t seed, uint64_t weight_skew) {
+         const HostArray<float>& weights_in, int tile_rows, int order, uint64_t seed, uint64_t weight_skew,
+         bool tensor_ops, const std::string& path) {
         if (mats.size() != 8)
           throw std::invalid_argument("[kernels.moe] mats: router, gate, up, down, shared_gate_proj, shared_up, "
                                       "shared_down, shared_gate");
@@ -87,7 +88,8 @@ void init_kernels_moe(nb::module_& k) {
           throw std::invalid_argument("[kernels.moe] mode must be route, prefill, decode or layer");
         const int T = int(xn.shape(0));
         if (xn.ndim() != 2 || int(xn.shape(1)) != hidden) throw std::invalid_argument("[kernels.moe] xn must be bf16 [T, H]");
-        KernelRun run(order, seed);
+        const GemmPath gpath = gemm_path(path);
+        KernelRun run(order, seed, 0, true, tensor_ops ? 1 : 0);
         Uploader up{run, weight_skew, {}};
         MoeDevice M;
         M.router = make_matrix(up, mats[0], "router");
@@ -131,7 +133,7 @@ void init_kernels_moe(nb::module_& k) {
           if (decode)
             encode_moe_decode(enc, *scratch, M, {bxn}, {bids}, {bw}, {bx});
           else
-            encode_moe_prefill(enc, *scratch, M, {bxn}, {bids}, {bw}, T, {bx}, tile_rows);
+            encode_moe_prefill(enc, *scratch, M, {bxn}, {bids}, {bw}, T, {bx}, tile_rows, gpath);
         });
         nb::dict d;
         d["counters"] = run.counters();
@@ -165,10 +167,13 @@ void init_kernels_moe(nb::module_& k) {
       nb::arg("mode"), nb::arg("mats"), nb::arg("experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("inter"),
       nb::arg("shared_inter"), nb::arg("xn"), nb::arg("x"), nb::arg("ids"), nb::arg("weights"),
       nb::arg("tile_rows") = 0, nb::arg("order") = 0, nb::arg("seed") = 0, nb::arg("weight_skew") = 0,
+      nb::arg("tensor_ops") = false, nb::arg("path") = "auto",
       "Runs the MoE family on an EmuDevice in one command buffer. mode 'route': ids/weights from xn; 'prefill' / "
       "'decode': x += MoE(xn) with the given ids [T, k] int32 and weights [T, k] f32; 'layer': route then prefill "
       "(decode when T == 1 and tile_rows == 0). mats: 8 (bits, experts, rows, cols, stored_rows, row_offset, codes "
       "uint8, scales uint16, biases uint16) for router, gate, up, down, shared_gate_proj, shared_up, shared_down, "
       "shared_gate. weight_skew: bytes before every weight array in its buffer (unaligned tensors, as MLX writes "
-      "them). Returns outputs, routing intermediates and 'counters'.");
+      "them). tensor_ops: the emulated device reports Metal 4 tensor ops, so the prefill GEMMs take matmul2d "
+      "(moe_gemm_*_tensor_*); path: 'auto' (the device decides), 'simdgroup' or 'tensor' (forced; needs "
+      "tensor_ops). Returns outputs, routing intermediates and 'counters'.");
 }

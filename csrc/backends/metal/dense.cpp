@@ -62,6 +62,12 @@ MatrixBindings bind_matrix(const DeviceMatrix& W, int slot_w, int slot_s, int sl
   return m;
 }
 
+bool gemm_uses_tensor_ops(const Encoder& enc, GemmPath path, const std::string& what) {
+  if (path == GemmPath::tensor && !enc.tensor_ops)
+    throw std::invalid_argument(what + ": the tensor-op GEMM was forced on a device without Metal 4 tensor ops");
+  return path == GemmPath::tensor || (path == GemmPath::automatic && enc.tensor_ops);
+}
+
 void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode, GemmPath path) {
   if (T <= 0) return;
   const std::string shape = "W [" + std::to_string(W.rows) + ", " + std::to_string(W.cols) + "], T " + std::to_string(T);
@@ -92,10 +98,7 @@ void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int 
   } else {
     groups = Grid{uint32_t((W.rows + LILY_QGEMM_BN - 1) / LILY_QGEMM_BN), uint32_t((T + LILY_QGEMM_BM - 1) / LILY_QGEMM_BM), 1};
     threads = Grid{uint32_t(LILY_QGEMM_THREADS), 1, 1};
-    if (path == GemmPath::tensor && !enc.tensor_ops)
-      throw std::invalid_argument("[project] the tensor-op GEMM was forced on a device without Metal 4 tensor ops: " + shape);
-    const bool tensor = path == GemmPath::tensor || (path == GemmPath::automatic && enc.tensor_ops);
-    k = (tensor ? kGemmTensor : kGemm)[W.format][int(mode)];
+    k = (gemm_uses_tensor_ops(enc, path, "[project] " + shape) ? kGemmTensor : kGemm)[W.format][int(mode)];
   }
   const MatrixBindings m = bind_matrix(W, LILY_DENSE_W, LILY_DENSE_SCALES, LILY_DENSE_BIASES);
   enc.dispatch(k, groups, threads, args,

@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "../../core/weights.h"
 #include "device.h"
@@ -75,6 +76,9 @@ enum class OutMode : uint8_t { bf16, f32, f32_add };  // store bf16 / store f32 
 enum class GemmPath : uint8_t { automatic, simdgroup, tensor };
 void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int T, OutMode mode,
                     GemmPath path = GemmPath::automatic);
+// Whether a tiled GEMM (dense or MoE) takes the tensor-op path; forcing it on a device without tensor ops
+// throws std::invalid_argument starting with `what` (the op and its shapes).
+bool gemm_uses_tensor_ops(const Encoder& enc, GemmPath path, const std::string& what);
 
 // ---------------------------------------------------------------- proj (metal/proj.metal)
 // Decode (one row): out_m ← W_m · bf16(RMSNorm(x) · w) for n ≤ 4 matrices sharing the normed row, in one
@@ -103,8 +107,9 @@ void encode_moe_route(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, 
 // Prefill: histogram → prefix scan → scatter → block map → grouped GEMMs (gate/up + SwiGLU, down +
 // routing weight) → combine with the shared expert: x[t] += MoE(xn[t]). No CPU wait inside.
 // tile_rows: grouped-GEMM tile height, 0 = the rule in moe.cpp (moe_tile_rows), or force 16 / 32 (tests).
+// path: the grouped GEMMs' matrix path, chosen as encode_project's (automatic: matmul2d where enc.tensor_ops).
 void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, int T, View x,
-                        int tile_rows = 0);
+                        int tile_rows = 0, GemmPath path = GemmPath::automatic);
 // Decode (T = 1): fused gate/up + SwiGLU per selected expert and the shared expert; fused down + routing
 // weight + shared expert gate, added into x.
 // topk_fused: the router logits and the shared gate logit are already in the scratch (encode_moe_route_norm

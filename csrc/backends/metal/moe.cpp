@@ -11,6 +11,8 @@
 // The shared expert reuses the grouped GEMM kernels in dense mode (one matrix over rows 0..T-1, no gather)
 // rather than riding along as an always-selected expert: its matrices are separate tensors with their own
 // strides (and possibly width), and a separate dispatch in the same stage costs no extra barrier.
+// The grouped GEMMs have the dense GEMM's two matrix paths (dense.cpp): Metal 4 tensor ops (matmul2d) where the
+// device reports them (Encoder::tensor_ops), simdgroup_matrix elsewhere; same grid, threads, bindings and tiles.
 //
 // Decode: shared-gate logit and gate_up (k experts + shared in one dispatch) → down (k experts + routing
 // weights + σ-gated shared expert, added into x). Two stages; each selected matrix is read once.
@@ -42,6 +44,16 @@ constexpr KernelId kGemmDown[3][2] = {
     {KernelId::moe_gemm_down_q4_bm16, KernelId::moe_gemm_down_q4_bm32},
     {KernelId::moe_gemm_down_q8_bm16, KernelId::moe_gemm_down_q8_bm32},
     {KernelId::moe_gemm_down_bf16_bm16, KernelId::moe_gemm_down_bf16_bm32},
+};
+constexpr KernelId kGemmGateUpTensor[3][2] = {
+    {KernelId::moe_gemm_gate_up_tensor_q4_bm16, KernelId::moe_gemm_gate_up_tensor_q4_bm32},
+    {KernelId::moe_gemm_gate_up_tensor_q8_bm16, KernelId::moe_gemm_gate_up_tensor_q8_bm32},
+    {KernelId::moe_gemm_gate_up_tensor_bf16_bm16, KernelId::moe_gemm_gate_up_tensor_bf16_bm32},
+};
+constexpr KernelId kGemmDownTensor[3][2] = {
+    {KernelId::moe_gemm_down_tensor_q4_bm16, KernelId::moe_gemm_down_tensor_q4_bm32},
+    {KernelId::moe_gemm_down_tensor_q8_bm16, KernelId::moe_gemm_down_tensor_q8_bm32},
+    {KernelId::moe_gemm_down_tensor_bf16_bm16, KernelId::moe_gemm_down_tensor_bf16_bm32},
 };
 constexpr KernelId kGemvGateUp[3] = {KernelId::moe_gemv_gate_up_q4, KernelId::moe_gemv_gate_up_q8,
                                      KernelId::moe_gemv_gate_up_bf16};
@@ -165,7 +177,7 @@ void encode_moe_route(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, 
 }
 
 void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, int T, View x,
-                        int tile_rows) {
+                        int tile_rows, GemmPath path) {
   if (T <= 0) return;
   check_dims(M);
   const int E = M.experts, k = M.top_k, H = M.hidden, I = M.inter, Is = M.shared_inter;
@@ -179,6 +191,11 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
   const int bm = tile_rows ? tile_rows : moe_tile_rows(n, E);
   if (bm != 16 && bm != 32) throw std::invalid_argument("[moe_prefill] tile_rows must be 16 or 32, got " + std::to_string(bm));
   const int bmi = bm == 32 ? 1 : 0;
+  const bool tensor = gemm_uses_tensor_ops(enc, path, "[moe_prefill] T " + std::to_string(T) + ", E " + std::to_string(E) +
+                                                          ", k " + std::to_string(k) + ", H " + std::to_string(H) +
+                                                          ", I " + std::to_string(I));
+  const auto& gemm_gate_up = tensor ? kGemmGateUpTensor : kGemmGateUp;
+  const auto& gemm_down = tensor ? kGemmDownTensor : kGemmDown;
   const uint32_t max_blocks = uint32_t(LILY_MOE_MAX_BLOCKS(n, E, bm));
   const uint64_t nb4 = uint64_t(n) * 4, blocks_bytes = (1 + uint64_t(max_blocks)) * 16;
   const Grid elementwise{uint32_t(LILY_MOE_ELEMENTWISE_THREADS), 1, 1};
@@ -215,7 +232,7 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
     const MatrixBindings g = bind_matrix(M.gate, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0);
     const MatrixBindings u = bind_matrix(M.up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1);
     const MoeGemmArgs args{.K = H, .N = I, .rows = n, .dense = 0, .weight_sigmoid = 0, .ld_out = I, .W = strides(M.gate)};
-    enc.dispatch(kGemmGateUp[M.gate.format][bmi], Grid{cdiv(I, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
+    enc.dispatch(gemm_gate_up[M.gate.format][bmi], Grid{cdiv(I, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
                  {b_xn, {LILY_MOE_GEMM_SLOT_TOKEN, s.slot_token.get(), 0, Access::read, nb4}, b_blocks, g.w, g.s, g.b,
                   u.w, u.s, u.b, {LILY_MOE_GEMM_OUT, s.h.get(), 0, Access::write, uint64_t(n) * I * 2}});
   }
@@ -224,7 +241,7 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
     const MatrixBindings u = bind_matrix(M.shared_up, LILY_MOE_GEMM_W1, LILY_MOE_GEMM_S1, LILY_MOE_GEMM_B1);
     const MoeGemmArgs args{.K = H, .N = Is, .rows = T, .dense = 1, .weight_sigmoid = 0, .ld_out = Is,
                            .W = strides(M.shared_gate_proj)};
-    enc.dispatch(kGemmGateUp[M.shared_gate_proj.format][bmi], Grid{cdiv(Is, LILY_MOE_GEMM_BN), cdiv(T, bm), 1},
+    enc.dispatch(gemm_gate_up[M.shared_gate_proj.format][bmi], Grid{cdiv(Is, LILY_MOE_GEMM_BN), cdiv(T, bm), 1},
                  gemm_threads, args,
                  {b_xn, unused_tokens, unused_blocks, g.w, g.s, g.b, u.w, u.s, u.b,
                   {LILY_MOE_GEMM_OUT, s.hs.get(), 0, Access::write, uint64_t(T) * Is * 2}});
@@ -233,7 +250,7 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
   {
     const MatrixBindings d = bind_matrix(M.down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0);
     const MoeGemmArgs args{.K = I, .N = H, .rows = n, .dense = 0, .weight_sigmoid = 0, .ld_out = H, .W = strides(M.down)};
-    enc.dispatch(kGemmDown[M.down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
+    enc.dispatch(gemm_down[M.down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), max_blocks, 1}, gemm_threads, args,
                  {{LILY_MOE_GEMM_X, s.h.get(), 0, Access::read, uint64_t(n) * I * 2}, b_blocks,
                   {LILY_MOE_GEMM_WEIGHT, s.slot_weight.get(), 0, Access::read, nb4}, d.w, d.s, d.b,
                   {LILY_MOE_GEMM_OUT, s.y.get(), 0, Access::write, uint64_t(n) * H * 4}});
@@ -242,7 +259,7 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
     const MatrixBindings d = bind_matrix(M.shared_down, LILY_MOE_GEMM_W0, LILY_MOE_GEMM_S0, LILY_MOE_GEMM_B0);
     const MoeGemmArgs args{.K = Is, .N = H, .rows = T, .dense = 1, .weight_sigmoid = 1, .ld_out = H,
                            .W = strides(M.shared_down)};
-    enc.dispatch(kGemmDown[M.shared_down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), cdiv(T, bm), 1}, gemm_threads, args,
+    enc.dispatch(gemm_down[M.shared_down.format][bmi], Grid{cdiv(H, LILY_MOE_GEMM_BN), cdiv(T, bm), 1}, gemm_threads, args,
                  {{LILY_MOE_GEMM_X, s.hs.get(), 0, Access::read, uint64_t(T) * Is * 2},
                   unused_blocks,
                   {LILY_MOE_GEMM_WEIGHT, s.shared_logit.get(), 0, Access::read, uint64_t(T) * 4}, d.w, d.s, d.b,
