@@ -184,9 +184,7 @@ class MetalBackendImpl final : public MetalBackend {
     cb->commit();
     cb->wait();
     retired_recording_.clear();
-    const Counters now = dev_->counters();
-    total_[int(phase_)].add(now.since(prev_));
-    prev_ = now;
+    total_[int(Phase::prefill)].add(since_last_account());  // outside any step; KV growth belongs to prefill
   }
 
   std::unique_ptr<State> clone_state(const State& st) override {
@@ -304,10 +302,11 @@ class MetalBackendImpl final : public MetalBackend {
       if (gdn_written_) s_->cur ^= 1;
       s_->undoable = decode_;
     }
-    phase_ = decode_ ? Phase::decode : Phase::prefill;
-    account(false);
-    last_[int(phase_)].cpu_waits_in_step = in_step_waits_;
-    total_[int(phase_)].cpu_waits_in_step += in_step_waits_;
+    const Phase p = decode_ ? Phase::decode : Phase::prefill;
+    inflight_.back().phase = p;
+    last_[int(p)] = since_last_account();
+    last_[int(p)].cpu_waits_in_step = in_step_waits_;
+    total_[int(p)].add(last_[int(p)]);
     in_step_waits_ = 0;
   }
 
@@ -580,27 +579,25 @@ class MetalBackendImpl final : public MetalBackend {
     return *enc_;
   }
 
-  // Waits for the command buffers committed up to `seq` (CPU waits, counted for the phase last committed; one
-  // that leaves nothing queued is a drained wait: the GPU idles until the CPU commits again).
+  // Waits for the command buffers committed up to `seq`: CPU waits, each counted for the phase of the command
+  // buffer waited for. A wait that leaves nothing queued is a drained wait: the GPU idles until the CPU commits.
   void wait_until(uint64_t seq) {
     while (!inflight_.empty() && inflight_.front().seq <= seq) {
+      const Phase p = inflight_.front().phase;
       inflight_.front().cb->wait();
       inflight_.pop_front();
-      if (inflight_.empty()) ++drained_waits_;
+      Counters d = since_last_account();
+      d.cpu_waits_drained = inflight_.empty() ? 1 : 0;
+      last_[int(p)].add(d);
+      total_[int(p)].add(d);
     }
-    account(true);
   }
   void finish() { wait_until(committed_); }
-  void account(bool add_to_last) {
+  Counters since_last_account() {
     const Counters now = dev_->counters();
     const Counters d = now.since(prev_);
     prev_ = now;
-    Counters d2 = d;
-    d2.cpu_waits_drained = drained_waits_;
-    drained_waits_ = 0;
-    if (add_to_last) last_[int(phase_)].add(d2);
-    else last_[int(phase_)] = d2;
-    total_[int(phase_)].add(d2);
+    return d;
   }
 
   const Model& m_;
@@ -645,16 +642,16 @@ class MetalBackendImpl final : public MetalBackend {
     std::unique_ptr<CommandBuffer> cb;
     uint64_t seq;
     std::vector<std::shared_ptr<Buffer>> retired;
+    Phase phase = Phase::prefill;
   };
   std::deque<InFlight> inflight_;  // committed, not waited for, oldest first
-  uint64_t committed_ = 0, drained_waits_ = 0;
+  uint64_t committed_ = 0;
   int slot_ = 0, logit_rows_ = 0, logit_capacity_ = 0;
   Buffer* last_logits_ = nullptr;  // what the last lm_head wrote
   MetalState* s_ = nullptr;
   std::unique_ptr<CommandBuffer> cb_;
   Encoder* enc_ = nullptr;
   bool decode_ = false, gdn_written_ = false;
-  Phase phase_ = Phase::prefill;
   Counters prev_, last_[2], total_[2];
 };
 

@@ -1,0 +1,114 @@
+"""Decode with two command buffers in flight and token selection on the device (issue 6, item 2), on the
+emulated Metal backend: the CPU commits step n + 1 before it waits for step n's token, and the GPU selects
+every token — greedy or sampled with any of the sampling parameters — into the next step's input slot.
+
+Pinned here: pipelined and one-step-at-a-time runs give bit-identical tokens and logits; a stop id or an early
+close() undoes the step run ahead, leaving the session exactly as if it had never run (same tokens, position,
+and next logits); the counters show the GPU never drained between steps (one drained wait per generation, the
+last token's, against one per step without pipelining) and no CPU wait inside a step; sampled tokens are the
+host Sampler's on the same logits rows (sampling.h semantics, seeded Philox).
+"""
+import numpy as np
+import pytest
+
+import tinymodels as tm
+
+lily = pytest.importorskip("lily")
+_core = pytest.importorskip("lily._core")
+pytestmark = pytest.mark.skipif(not _core.kernels.available(), reason="emulated Metal kernel library not built")
+
+GEOM, KIND = tm.PEAKED, "mlx_q4_bf16"
+_ENGINES: dict = {}
+
+
+def engine(pipeline=True):
+    if pipeline not in _ENGINES:
+        _ENGINES[pipeline] = lily.Engine.from_pretrained(tm.get_model(GEOM, KIND), backend="metal-emu",
+                                                         count_bytes=False, metal_options={"pipeline": pipeline})
+    return _ENGINES[pipeline]
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.asarray(tm.default_prompt_ids()[:24], np.int32)
+
+
+def params(**kw):
+    p = _core.SamplingParams()
+    p.temperature = 0.0
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
+def run(e, prompt, max_tokens, stop_ids=(), p=None, stop_after=None):
+    """(tokens, core session, generation): a generation on a fresh session, closed after `stop_after` tokens."""
+    s = e._core.new_session()
+    g = e._core.generation(s, prompt, max_tokens, list(stop_ids), p or params())
+    out = []
+    while not g.done:
+        out.append(g.next().token)
+        if stop_after is not None and len(out) == stop_after:
+            g.close()
+            break
+    return out, s, g
+
+
+def next_logits(e, s, token):
+    return e._core.logits(s, np.asarray([token], np.int32))[0]
+
+
+def decode_counts(e, key, since):
+    return e.counters()["decode"]["total"][key] - since.get("decode", {}).get("total", {}).get(key, 0)
+
+
+def test_pipelined_equals_one_step_at_a_time(prompt):
+    on, off = engine(True), engine(False)
+    a, sa, ga = run(on, prompt, 10)
+    b, sb, gb = run(off, prompt, 10)
+    assert ga.pipelined and not gb.pipelined
+    assert len(a) == 10 and a == b
+    assert sa.tokens == sb.tokens == list(prompt) + a[:-1]  # the last token is never fed
+    assert sa.position == sb.position
+    np.testing.assert_array_equal(next_logits(on, sa, a[-1]), next_logits(off, sb, b[-1]))
+
+
+def test_counters_show_the_gpu_never_drains(prompt):
+    steps = 8
+    for pipeline, drained in ((True, 1), (False, steps - 1)):
+        e = engine(pipeline)
+        before = e.counters()
+        out, _, _ = run(e, prompt, steps)
+        assert len(out) == steps
+        # steps - 1 decode steps (the last token is not fed), one token read each plus the prompt's
+        assert decode_counts(e, "command_buffers", before) == steps - 1
+        assert decode_counts(e, "cpu_waits_in_step", before) == 0
+        # pipelined: only the last token's wait finds nothing queued behind it; otherwise every decode wait does
+        assert decode_counts(e, "cpu_waits_drained", before) == drained, pipeline
+        pre = e.counters()["prefill"]["total"]["cpu_waits_drained"] - before["prefill"]["total"]["cpu_waits_drained"]
+        assert pre == (0 if pipeline else 1)
+
+
+@pytest.mark.parametrize("how", ["stop_id", "close"])
+def test_the_step_run_ahead_is_undone(prompt, how):
+    """A stop id at token 4, or close() after it: the pipelined run committed the step feeding token 4 and must
+    undo it — session tokens, position and the logits of the next token equal those of the unpipelined run."""
+    on, off = engine(True), engine(False)
+    ref, _, _ = run(off, prompt, 12)
+    stop = ref[4]
+    assert stop not in ref[:4], "pick a prompt whose greedy run does not repeat the token"
+    kw = dict(stop_ids=[stop]) if how == "stop_id" else dict(stop_after=5)
+    a, sa, ga = run(on, prompt, 12, **kw)
+    b, sb, gb = run(off, prompt, 12, **kw)
+    assert a == b == ref[:5]
+    assert ga.finish_reason == gb.finish_reason == ("stop" if how == "stop_id" else "cancelled")
+    assert sa.tokens == sb.tokens == list(prompt) + ref[:4]
+    assert sa.position == sb.position == len(prompt) + 4
+    assert sa.decoded == sb.decoded == 4
+    follow = 7 if ref[4] != 7 else 8
+    np.testing.assert_array_equal(next_logits(on, sa, follow), next_logits(off, sb, follow))
+    # and a later generation on the rolled-back session continues it exactly
+    more = np.asarray([follow], np.int32)
+    ca = on._core.generation(sa, more, 4, [], params())
+    cb = off._core.generation(sb, more, 4, [], params())
+    assert [ca.next().token for _ in range(4)] == [cb.next().token for _ in range(4)]
