@@ -9,7 +9,8 @@ numbers at the real dimensions):
 * counted decode bytes <= 1.05x the minimum at a context where the KV cache matters (benchmarks/metal_counters.py's
   minimum: every needed weight byte once, state read and written once, each KV row read once per KV head);
 * every ablation switch of MetalOptions (csrc/backends/metal/metal_backend.h), on and off, gives the same
-  logits within bf16 noise, and changes the counters the way it claims.
+  logits within bf16 noise, and changes the counters the way it claims;
+* prompt chunking bounds the peak temporary device memory (activations + io) by the chunk, not the prompt.
 """
 import json
 import os
@@ -159,3 +160,28 @@ def test_ablation_same_outputs(baseline, prompt, opts, kernel):
 def test_unknown_option_is_an_error():
     with pytest.raises(Exception, match="unknown metal option"):
         _engine(tm.get_model(tm.BASE, KIND), metal_options={"no_such_switch": True})
+
+
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_prefill_temporaries_bounded_by_the_chunk(chunk):
+    """Engine.memory(): the peak of the temporaries over a generation is the same for a prompt of 3 chunks and
+    one of 12 (the ledger also sees the session's KV cache, which grows in blocks of 256 rows), and a larger
+    chunk holds more."""
+    e = _engine(tm.get_model(tm.BASE, KIND), prefill_chunk=chunk)
+    rng = np.random.default_rng(chunk)
+    vocab = e.config.vocab_size
+    peaks = {}
+    for n in (3 * chunk, 12 * chunk):
+        e.memory(reset_peak=True)
+        s = e.new_session()
+        e.generate(rng.integers(0, vocab, n).tolist(), max_tokens=2, temperature=0, session=s)
+        m = e.memory()
+        peaks[n] = (m["peak"]["activations"] + m["peak"]["io"], m["peak"]["kv"])
+        del s
+    (t_short, kv_short), (t_long, kv_long) = peaks[3 * chunk], peaks[12 * chunk]
+    assert t_short == t_long, peaks
+    assert kv_long >= kv_short > 0
+    if chunk == 16:
+        small = _engine(tm.get_model(tm.BASE, KIND), prefill_chunk=4).memory()["live"]
+        big = e.memory()["live"]
+        assert big["activations"] > small["activations"]

@@ -224,6 +224,25 @@ void init_engine(nb::module_& m) {
             return d;
           },
           "Device counters per phase (dispatches, stages, cpu_waits, command_buffers, bytes by role).")
+      .def(
+          "memory",
+          [](Engine& e, bool reset_peak) {
+            // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total"}: device memory the
+            // backend allocated (mapped weight files not included); metal backends only ({} otherwise).
+            nb::dict d;
+            auto* mb = dynamic_cast<metal::MetalBackend*>(&e.backend());
+            if (!mb) return d;
+            const metal::Memory m = mb->device().memory();
+            nb::dict live, peak;
+            for (int r = 0; r < int(metal::Role::count); ++r) {
+              live[metal::role_name(metal::Role(r))] = m.live[r];
+              peak[metal::role_name(metal::Role(r))] = m.peak[r];
+            }
+            d["live"] = live, d["peak"] = peak, d["live_total"] = m.live_total, d["peak_total"] = m.peak_total;
+            if (reset_peak) mb->device().reset_peak_memory();
+            return d;
+          },
+          nb::arg("reset_peak") = false)
       .def_prop_ro("backend", [](Engine& e) { return e.backend().name(); })
       .def_prop_ro("max_rows", [](Engine& e) { return e.backend().max_rows(); })
       .def_prop_ro("max_context", &Engine::max_context)

@@ -175,6 +175,14 @@ class Engine:
         or decode step; "total" every one so far. Metal backends only (metal-emu counts bytes); {} otherwise."""
         return self._core.counters()
 
+    def memory(self, reset_peak: bool = False) -> dict:
+        """Device memory the backend allocated, by buffer role: {"live": {role: bytes}, "peak": {role: bytes},
+        "live_total": n, "peak_total": n}; the peaks are the most held at once since the engine was made or
+        since the last call with reset_peak=True. Activations (the chunk's intermediates and scratch) and io
+        (logits, token ids) are the temporaries, bounded by prefill_chunk rather than the prompt; kv and state
+        belong to sessions; mapped weight files are not counted. Metal backends only; {} otherwise."""
+        return self._core.memory(reset_peak)
+
     def new_session(self, **kwargs) -> Session:
         """A new conversation state (kwargs: snapshot_budget in bytes); see lily.session."""
         return Session(self, **kwargs)
@@ -336,7 +344,7 @@ class Engine:
         tok = self.tokenizer
         sess, ids, plan, before = req.session, req.ids, None, None
         t0 = time.perf_counter()
-        matched = None
+        matched = gen = None
         try:
             empty = np.zeros(0, dtype=np.int32)
             if sess is None:
@@ -403,6 +411,7 @@ class Engine:
                     matched = stopper.stop
                     break
                 yield d
+            gen.close()  # undoes a step run ahead of a stop string (a pipelined backend): the session holds what was fed
             tail = ""
             if not stopped:
                 emit, stopped = stopper.push(detok.flush())
@@ -432,6 +441,8 @@ class Engine:
             self._active = None  # committed: the next request may start while the caller reads the last delta
             yield final
         except BaseException:
+            if gen is not None:
+                gen.close()
             if plan is not None:
                 if before is not None:
                     sess._count(plan.core, before)

@@ -27,6 +27,64 @@ const char* role_name(Role r) {
   return "?";
 }
 
+Buffer::~Buffer() {
+  if (ledger) ledger->release(role, size);
+}
+
+void MemoryLedger::add(Role r, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  m_.live[size_t(r)] += bytes;
+  m_.live_total += bytes;
+  m_.peak[size_t(r)] = std::max(m_.peak[size_t(r)], m_.live[size_t(r)]);
+  m_.peak_total = std::max(m_.peak_total, m_.live_total);
+}
+
+void MemoryLedger::release(Role r, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  m_.live[size_t(r)] -= bytes;
+  m_.live_total -= bytes;
+}
+
+Memory MemoryLedger::memory() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return m_;
+}
+
+void MemoryLedger::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t r = 0; r < size_t(Role::count); ++r) m_.peak[r] = m_.live[r];
+  m_.peak_total = m_.live_total;
+}
+
+Counters Device::counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counters_;
+}
+
+void Device::reset_counters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  counters_ = Counters{};
+}
+
+void Device::count(const Counters& c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  counters_.add(c);
+}
+
+std::shared_ptr<Buffer> Device::labelled(std::shared_ptr<Buffer> b, uint64_t bytes, Role role, const std::string& label) {
+  b->size = bytes;
+  b->role = role;
+  b->label = label;
+  return b;
+}
+
+std::shared_ptr<Buffer> Device::tracked(std::shared_ptr<Buffer> b, uint64_t bytes, Role role, const std::string& label) {
+  labelled(b, bytes, role, label);
+  ledger_->add(role, bytes);
+  b->ledger = ledger_;
+  return b;
+}
+
 void Counters::add(const Counters& o) {
   dispatches += o.dispatches;
   stages += o.stages;

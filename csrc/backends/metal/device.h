@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -23,13 +24,34 @@ namespace lily::metal {
 enum class Role : uint8_t { weights, kv, state, activations, io, count };
 const char* role_name(Role r);
 
+class MemoryLedger;
+
 class Buffer {
  public:
-  virtual ~Buffer() = default;
+  virtual ~Buffer();
   virtual void* contents() = 0;  // CPU-visible pointer (unified memory on Apple silicon)
   uint64_t size = 0;
   Role role = Role::activations;
   std::string label;
+  std::shared_ptr<MemoryLedger> ledger;  // set for memory the device allocated (not for wrapped mappings)
+};
+
+// Device memory the Device allocated, by role: live now and the most live at once since the last reset.
+struct Memory {
+  uint64_t live[size_t(Role::count)] = {}, peak[size_t(Role::count)] = {};
+  uint64_t live_total = 0, peak_total = 0;
+};
+
+class MemoryLedger {
+ public:
+  void add(Role r, uint64_t bytes);
+  void release(Role r, uint64_t bytes);
+  Memory memory() const;
+  void reset_peak();  // peaks restart from what is live
+
+ private:
+  mutable std::mutex mu_;
+  Memory m_;
 };
 
 enum class Access : uint8_t { read, write, read_write };
@@ -108,6 +130,13 @@ class CommandBuffer {
 class Device {
  public:
   virtual ~Device() = default;
+  // Counters accumulated since the last reset: the implementations feed them (EmuDevice everything,
+  // MetalDevice dispatches, stages, command buffers and waits).
+  Counters counters() const;
+  void reset_counters();
+  Memory memory() const { return ledger_->memory(); }
+  void reset_peak_memory() { ledger_->reset_peak(); }
+
   virtual std::string name() const = 0;
   virtual std::shared_ptr<Buffer> alloc(uint64_t bytes, Role role, const std::string& label) = 0;
   // A buffer over existing memory (mmap'd weights) without copying where the platform allows.
@@ -115,9 +144,17 @@ class Device {
   virtual std::unique_ptr<CommandBuffer> command_buffer() = 0;
   virtual bool has_bf16() const = 0;
   virtual bool has_tensor_ops() const = 0;  // Metal 4 matmul2d (M5 Neural Accelerators)
-  // Counters accumulated since the last reset (EmuDevice counts; MetalDevice counts dispatches/stages/waits).
-  virtual Counters counters() const = 0;
-  virtual void reset_counters() = 0;
+
+ protected:
+  void count(const Counters& c);
+  // An allocation of alloc(): entered in the memory ledger, left when the buffer is destroyed.
+  std::shared_ptr<Buffer> tracked(std::shared_ptr<Buffer> b, uint64_t bytes, Role role, const std::string& label);
+  std::shared_ptr<Buffer> labelled(std::shared_ptr<Buffer> b, uint64_t bytes, Role role, const std::string& label);
+
+ private:
+  mutable std::mutex mu_;
+  Counters counters_;
+  std::shared_ptr<MemoryLedger> ledger_ = std::make_shared<MemoryLedger>();
 };
 
 // The emulated device: `library` is the path of the emulated kernel library (lily/_metal_emu.so).

@@ -171,34 +171,17 @@ class EmuDevice final : public Device {
     const uint64_t n = std::max<uint64_t>(bytes, 16);
     void* p = lib_.alloc(n);
     if (!p) throw std::runtime_error("[metal-emu] cannot allocate " + std::to_string(bytes) + " bytes for '" + label + "'");
-    auto b = std::make_shared<EmuBuffer>(lib_, p, n, true);
-    b->size = bytes;
-    b->role = role;
-    b->label = label;
-    return b;
+    return tracked(std::make_shared<EmuBuffer>(lib_, p, n, true), bytes, role, label);
   }
 
   std::shared_ptr<Buffer> wrap(const void* data, uint64_t bytes, Role role, const std::string& label) override {
     // No copy: the kernels read the mapping itself (page-aligned when it is a whole mmap'd file).
-    auto b = std::make_shared<EmuBuffer>(lib_, const_cast<void*>(data), bytes, false);
-    b->size = bytes;
-    b->role = role;
-    b->label = label;
-    return b;
+    return labelled(std::make_shared<EmuBuffer>(lib_, const_cast<void*>(data), bytes, false), bytes, role, label);
   }
 
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(*this); }
   bool has_bf16() const override { return true; }
   bool has_tensor_ops() const override { return options_.tensor_ops > 0; }  // EmuOptions: both paths are emulated
-  Counters counters() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return counters_;
-  }
-  void reset_counters() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    counters_ = Counters{};
-  }
-
   void execute(EmuEncoder& enc) {
     Counters c = enc.recorded();
     for (auto& stage : enc.stages) {
@@ -211,13 +194,13 @@ class EmuDevice final : public Device {
       }
       for (size_t i : order) run(stage[i], c);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    counters_.add(c);
+    count(c);
   }
 
   void count_wait() {
-    std::lock_guard<std::mutex> lock(mu_);
-    counters_.cpu_waits += 1;
+    Counters c;
+    c.cpu_waits = 1;
+    count(c);
   }
 
  private:
@@ -269,8 +252,6 @@ class EmuDevice final : public Device {
   const mslemu_kernel* kernels_[size_t(KernelId::count) + 1] = {};
   void* args_page_ = nullptr;
   uint64_t shuffles_ = 0, launches_ = 0;
-  mutable std::mutex mu_;
-  Counters counters_;
 };
 
 EmuCommandBuffer::EmuCommandBuffer(EmuDevice& dev) : dev_(dev) { encoder_.tensor_ops = dev.has_tensor_ops(); }

@@ -99,7 +99,7 @@ class MetalDevice final : public Device {
     id<MTLBuffer> b = [device_ newBufferWithLength:NSUInteger(bytes ? bytes : 16) options:MTLResourceStorageModeShared];
     if (!b) throw std::runtime_error("[metal] cannot allocate " + std::to_string(bytes) + " bytes for '" + label + "'");
     b.label = [NSString stringWithUTF8String:label.c_str()];
-    return finish(std::make_shared<MetalBuffer>(b), bytes, role, label);
+    return tracked(std::make_shared<MetalBuffer>(b), bytes, role, label);
   }
 
   std::shared_ptr<Buffer> wrap(const void* data, uint64_t bytes, Role role, const std::string& label) override {
@@ -114,7 +114,7 @@ class MetalDevice final : public Device {
     if (!b) b = [device_ newBufferWithBytes:data length:NSUInteger(bytes) options:MTLResourceStorageModeShared];
     if (!b) throw std::runtime_error("[metal] cannot wrap " + std::to_string(bytes) + " bytes of '" + label + "'");
     b.label = [NSString stringWithUTF8String:label.c_str()];
-    return finish(std::make_shared<MetalBuffer>(b), bytes, role, label);
+    return labelled(std::make_shared<MetalBuffer>(b), bytes, role, label);
   }
 
   std::unique_ptr<CommandBuffer> command_buffer() override {
@@ -124,18 +124,7 @@ class MetalDevice final : public Device {
   }
   bool has_bf16() const override { return bf16_; }
   bool has_tensor_ops() const override { return tensor_; }
-  Counters counters() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return counters_;
-  }
-  void reset_counters() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    counters_ = Counters{};
-  }
-  void count(const Counters& c) {
-    std::lock_guard<std::mutex> lock(mu_);
-    counters_.add(c);
-  }
+  using Device::count;  // for MetalCommandBuffer
 
   id<MTLComputePipelineState> pipeline(KernelId k) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -150,13 +139,6 @@ class MetalDevice final : public Device {
   }
 
  private:
-  std::shared_ptr<Buffer> finish(std::shared_ptr<MetalBuffer> b, uint64_t bytes, Role role, const std::string& label) {
-    b->size = bytes;
-    b->role = role;
-    b->label = label;
-    return b;
-  }
-
   MTLCompileOptions* compile_options() const {
     MTLCompileOptions* opts = [MTLCompileOptions new];
     if (@available(macOS 15.0, *)) opts.mathMode = MTLMathModeSafe;
@@ -233,8 +215,7 @@ class MetalDevice final : public Device {
   bool bf16_ = false, tensor_ = false, compiled_ = false;
   std::unordered_map<std::string, id<MTLFunction>> functions_;
   std::vector<id<MTLComputePipelineState>> pipelines_;
-  mutable std::mutex mu_;
-  Counters counters_;
+  mutable std::mutex mu_;  // pipelines_ and the libraries, compiled on first use
 };
 
 bool dev_has_tensor_ops(const MetalDevice& dev) { return dev.has_tensor_ops(); }

@@ -32,6 +32,7 @@ inline void encode_sample(Encoder&, View, int, const SampleArgs&, View, View, Vi
 
 // KV cache growth: whole blocks of rows, at least doubling, so growth copies stay O(context) in total.
 constexpr int64_t kKvBlock = 256;
+constexpr size_t kMaxInFlight = 2;
 
 struct MetalState final : State {
   // attention layers: K and V [n_kv, capacity, d] bf16 (Role::kv); GDN layers: conv and recurrent state f32
@@ -292,6 +293,9 @@ class MetalBackendImpl final : public MetalBackend {
 
   void commit() override {
     if (!cb_) throw std::logic_error("[metal] commit() without begin()");
+    // At most kMaxInFlight command buffers queued (the pipelined decode needs two): a long prompt's chunks
+    // would otherwise all be queued at once, each holding its ids and retired buffers.
+    if (inflight_.size() >= kMaxInFlight) wait_until(inflight_.front().seq);
     cb_->commit();
     inflight_.push_back({std::move(cb_), ++committed_, std::move(retired_recording_)});
     retired_recording_.clear();
