@@ -55,23 +55,31 @@ ABLATIONS = {
     "fuse_norm_project off": {"fuse_norm_project": False},
     "fuse_route off": {"fuse_route": False},
     "fuse_attn_prepare off": {"fuse_attn_prepare": False},
+    "fuse_expert_swiglu off": {"fuse_expert_swiglu": False},
+    "fuse_expert_combine off": {"fuse_expert_combine": False},
+    "fuse_gdn_step off": {"fuse_gdn_step": False},
+    "fuse_dequant off": {"fuse_dequant": False},
     "gqa_pack off": {"gqa_pack": False},
     "attn_path split": {"attn_path": 2},
     "gpu_routing off (CPU wait)": {"gpu_routing": False},
     "moe_tile_rows 16": {"moe_tile_rows": 16},
-    "all fusions off": {"fuse_norm_project": False, "fuse_route": False, "fuse_attn_prepare": False},
+    "all fusions off": {"fuse_norm_project": False, "fuse_route": False, "fuse_attn_prepare": False,
+                        "fuse_expert_swiglu": False, "fuse_expert_combine": False, "fuse_gdn_step": False,
+                        "fuse_dequant": False},
 }
 
 
 def extrapolate(dec: dict, layer_types: list, options: dict, total_layers: int = 40) -> dict:
     """Dispatches / stages of one greedy generation step of the whole model from a decode step of the cut.
-    The cut's step = embed + layers + lm_head (1 dispatch fused with its norm, else rmsnorm + qgemv); a
-    generation step adds the on-device argmax (one more dispatch and stage)."""
+    The cut's step = embed + layers + lm_head (1 dispatch fused with its norm, else rmsnorm + qgemv; with
+    fuse_dequant off one dispatch more, the dequant pass, which joins an earlier stage); a generation step adds
+    the on-device argmax (one more dispatch and stage)."""
     patterns = len(layer_types) / 4  # 3 GDN + 1 attention each
-    lm = 1 if options.get("fuse_norm_project", True) else 2
+    norm = 1 if options.get("fuse_norm_project", True) else 2
+    lm = {"dispatches": norm + (0 if options.get("fuse_dequant", True) else 1), "stages": norm}
     out = {}
     for key in ("dispatches", "stages"):
-        overhead = 1 + lm
+        overhead = 1 + lm[key]
         per_pattern = (dec[key] - overhead) / patterns
         out[key] = round(overhead + 1 + per_pattern * total_layers / 4)
         out[key + "_per_layer"] = per_pattern / 4

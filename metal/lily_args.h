@@ -88,6 +88,8 @@ struct DenseArgs {
 LILY_CONSTANT lily_i32 LILY_QGEMV_ROWS = 4;
 LILY_CONSTANT lily_i32 LILY_QGEMV_SIMDGROUPS = 2;
 LILY_CONSTANT lily_i32 LILY_QGEMV_VALUES = 16;
+// dequant (the fuse_dequant ablation): W q4/q8 -> bf16 [rows, ld_out] scratch, 16 columns per thread.
+LILY_CONSTANT lily_i32 LILY_DEQUANT_THREADS = 64;
 // GEMM (T > 1): a threadgroup owns a BM (tokens) x BN (output rows) tile and steps k by BK = one quant group;
 // four simdgroups in 2 x 2, each 16 x 16 = 2 x 2 simdgroup_matrix 8x8 accumulators (the write-up's
 // 32-row tile with four simdgroups).
@@ -216,6 +218,8 @@ enum LilyMoeGemmSlot : lily_i32 {
 };
 
 // moe_combine: x[t] += sum_j y[slot_of[t*k + j]] + ys[t] (j in order, then the shared expert).
+// moe_combine_weighted (decode, the fuse_expert_combine ablation): x[t] += sum_j weights[t*k + j] y[t*k + j]
+// + sigmoid(shared_logit[t]) ys[t], from unweighted expert outputs.
 struct MoeCombineArgs {
   lily_i32 T, H, top_k;
   lily_i32 pad;
@@ -224,9 +228,12 @@ enum LilyMoeCombineSlot : lily_i32 {
   LILY_MOE_COMBINE_Y = 1,       // f32 [n, H] weighted routed outputs by slot
   LILY_MOE_COMBINE_SLOT_OF = 2, // int32 [T*k]
   LILY_MOE_COMBINE_SHARED = 3,  // f32 [T, H] gated shared expert output
-  LILY_MOE_COMBINE_X = 4        // f32 [T, H] residual, updated in place
+  LILY_MOE_COMBINE_X = 4,       // f32 [T, H] residual, updated in place
+  LILY_MOE_COMBINE_WEIGHTS = 5, // f32 [T*k] routing weights (weighted)
+  LILY_MOE_COMBINE_SHARED_LOGIT = 6  // f32 [T] shared expert gate logits, before the sigmoid (weighted)
 };
 
+// moe_gemv_swiglu (split ablation): h[j, r] = bf16(SiLU(gu[j, 0, r]) * gu[j, 1, r]), slots X = gu, OUT = h.
 // moe_gemv_gate_up_<fmt>: threadgroup (x, j): j < k runs expert ids[j], j == k the shared expert;
 // h[j, r] = bf16(SiLU(gate . x) * (up . x)). moe_gemv_down_<fmt>: x[r] += sum_j w_j (down_{ids[j]} . h[j])
 // + sigmoid(shared_logit) (shared_down . h[k]).
@@ -237,7 +244,9 @@ struct MoeGemvArgs {
   lily_i32 top_k;
   lily_i32 ld_h;              // row stride of h [k + 1, ld_h], in elements
   lily_i32 experts;           // gate_up_topk: E (router logits per row)
-  lily_i32 pad;
+  lily_i32 split;             // 1: the unfused ablations. gate_up: gate and up rows into h [k + 1, 2, ld_h]
+                              // (no SwiGLU: moe_gemv_swiglu follows); down: each product into OUT f32 [k + 1, H]
+                              // (unweighted, nothing added: moe_combine_weighted follows)
   MoeMatrixStrides W;         // routed matrices (gate/up share strides)
   MoeMatrixStrides Ws;        // shared matrices
 };

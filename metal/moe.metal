@@ -13,7 +13,9 @@
 // the k routed rows (in j order) and the gated shared row into x f32 [T, H]. Decode (T = 1) has two fused
 // GEMVs, one simdgroup per output row: gate/up + SwiGLU for the k experts and the shared expert in one
 // dispatch (h bf16 [k + 1, I]), and down + routing weight + sigmoid-gated shared expert added into x, which
-// reads each selected weight byte once. Weights: MLX affine q4/q8 (groups of 64, bf16 scale/bias, w = s*q + b
+// reads each selected weight byte once. Their ablations (MetalOptions::fuse_expert_swiglu / fuse_expert_combine
+// off) run the same GEMVs with args.split, storing gate/up rows or unweighted products, and moe_gemv_swiglu /
+// moe_combine_weighted as separate passes over those intermediates. Weights: MLX affine q4/q8 (groups of 64, bf16 scale/bias, w = s*q + b
 // in fp32) or bf16, addressed by the byte strides of MoeMatrixStrides.
 //
 // The grouped GEMMs have two matrix paths over the same block map, tiles and epilogues, chosen at run time by
@@ -431,39 +433,59 @@ kernel void moe_gemm_down(constant MoeGemmArgs& args [[buffer(0)]],
     moe_store_y(args, y, row_weight, first, rows, n0, u / LILY_MOE_GEMM_BN, u % LILY_MOE_GEMM_BN, os[u]);
 }
 
-// x[t, c] += sum_j y[slot_of[t*k + j], c] + shared[t, c]; grid (ceil(H / 256), T).
+// x[t, c] += sum_j y_j + shared[t, c], j in order; grid (ceil(H / 256), T). WEIGHTED = false (moe_combine,
+// prefill): y_j = y[slot_of[t*k + j], c], rows the grouped GEMMs already weighted. WEIGHTED = true
+// (moe_combine_weighted, the decode fuse_expert_combine ablation): y_j = weights[t*k + j] * y[t*k + j, c] and
+// shared scaled by sigmoid(shared_logit[t]), from the unweighted products of moe_gemv_down with args.split.
+template <bool WEIGHTED>
 kernel void moe_combine(constant MoeCombineArgs& args [[buffer(0)]],
                         device const float* y [[buffer(LILY_MOE_COMBINE_Y)]],
                         device const int* slot_of [[buffer(LILY_MOE_COMBINE_SLOT_OF)]],
                         device const float* shared [[buffer(LILY_MOE_COMBINE_SHARED)]],
                         device float* x [[buffer(LILY_MOE_COMBINE_X)]],
+                        device const float* weights [[buffer(LILY_MOE_COMBINE_WEIGHTS)]],
+                        device const float* shared_logit [[buffer(LILY_MOE_COMBINE_SHARED_LOGIT)]],
                         uint2 tg [[threadgroup_position_in_grid]],
                         uint tid [[thread_index_in_threadgroup]]) {
   const int t = int(tg.y), c = int(tg.x) * LILY_MOE_ELEMENTWISE_THREADS + int(tid);
   if (c >= args.H) return;
   float acc = 0.0f;
-  for (int j = 0; j < args.top_k; ++j) acc += y[long(slot_of[t * args.top_k + j]) * args.H + c];
-  x[long(t) * args.H + c] += acc + shared[long(t) * args.H + c];
+  for (int j = 0; j < args.top_k; ++j) {
+    const int a = t * args.top_k + j;
+    acc += WEIGHTED ? weights[a] * y[long(a) * args.H + c] : y[long(slot_of[a]) * args.H + c];
+  }
+  const float g = WEIGHTED ? moe_sigmoid(shared_logit[t]) : 1.0f;
+  x[long(t) * args.H + c] += acc + g * shared[long(t) * args.H + c];
 }
 
 // ---------------------------------------------------------------- decode: fused GEMVs
 
-// One output row r of h for slot j (expert e, or the shared expert when shared): SiLU(gate . x) * (up . x).
+// One output row r of slot j (expert e, or the shared expert when shared): (gate . x, up . x).
 template <int FMT>
-inline float moe_gate_up_row(constant MoeGemvArgs& args, device const bfloat* x, bool shared, int e, int r,
-                             device const uchar* gw, device const bfloat* gs, device const bfloat* gb,
-                             device const uchar* uw, device const bfloat* us, device const bfloat* ub,
-                             device const uchar* sgw, device const bfloat* sgs, device const bfloat* sgb,
-                             device const uchar* suw, device const bfloat* sus, device const bfloat* sub, uint lane) {
-  float g, u;
-  if (shared) {
-    g = moe_row_dot<FMT>(moe_wrow(sgw, args.Ws, 0, r), moe_srow(sgs, args.Ws, 0, r), moe_srow(sgb, args.Ws, 0, r), x, args.K, lane);
-    u = moe_row_dot<FMT>(moe_wrow(suw, args.Ws, 0, r), moe_srow(sus, args.Ws, 0, r), moe_srow(sub, args.Ws, 0, r), x, args.K, lane);
+inline float2 moe_gate_up_row(constant MoeGemvArgs& args, device const bfloat* x, bool shared, int e, int r,
+                              device const uchar* gw, device const bfloat* gs, device const bfloat* gb,
+                              device const uchar* uw, device const bfloat* us, device const bfloat* ub,
+                              device const uchar* sgw, device const bfloat* sgs, device const bfloat* sgb,
+                              device const uchar* suw, device const bfloat* sus, device const bfloat* sub, uint lane) {
+  if (shared)
+    return float2(
+        moe_row_dot<FMT>(moe_wrow(sgw, args.Ws, 0, r), moe_srow(sgs, args.Ws, 0, r), moe_srow(sgb, args.Ws, 0, r), x, args.K, lane),
+        moe_row_dot<FMT>(moe_wrow(suw, args.Ws, 0, r), moe_srow(sus, args.Ws, 0, r), moe_srow(sub, args.Ws, 0, r), x, args.K, lane));
+  return float2(
+      moe_row_dot<FMT>(moe_wrow(gw, args.W, e, r), moe_srow(gs, args.W, e, r), moe_srow(gb, args.W, e, r), x, args.K, lane),
+      moe_row_dot<FMT>(moe_wrow(uw, args.W, e, r), moe_srow(us, args.W, e, r), moe_srow(ub, args.W, e, r), x, args.K, lane));
+}
+
+// Lane 0's store of row r of slot j: SwiGLU into h [k + 1, ld_h], or (args.split, the fuse_expert_swiglu
+// ablation) the gate and up values into h [k + 1, 2, ld_h] for moe_gemv_swiglu.
+inline void moe_store_gate_up(constant MoeGemvArgs& args, device bfloat* h, int j, int r, float2 gu, uint lane) {
+  if (lane != 0) return;
+  if (args.split) {
+    h[long(2 * j) * args.ld_h + r] = bfloat(gu.x);
+    h[long(2 * j + 1) * args.ld_h + r] = bfloat(gu.y);
   } else {
-    g = moe_row_dot<FMT>(moe_wrow(gw, args.W, e, r), moe_srow(gs, args.W, e, r), moe_srow(gb, args.W, e, r), x, args.K, lane);
-    u = moe_row_dot<FMT>(moe_wrow(uw, args.W, e, r), moe_srow(us, args.W, e, r), moe_srow(ub, args.W, e, r), x, args.K, lane);
+    h[long(j) * args.ld_h + r] = bfloat(moe_swiglu(gu.x, gu.y));
   }
-  return moe_silu(g) * u;
 }
 
 #define LILY_MOE_GATE_UP_PARAMS                                                                   \
@@ -492,9 +514,9 @@ kernel void moe_gemv_gate_up(LILY_MOE_GATE_UP_PARAMS, device const int* ids [[bu
   const bool shared = j == args.top_k;
   const int r = int(tg.x) * LILY_MOE_GEMV_SIMDGROUPS + int(sg);
   if (r >= (shared ? args.N_shared : args.N)) return;  // uniform per simdgroup
-  const float v = moe_gate_up_row<FMT>(args, x, shared, shared ? 0 : ids[j], r, gw, gs, gb, uw, us, ub, sgw, sgs, sgb,
-                                       suw, sus, sub, lane);
-  if (lane == 0) h[long(j) * args.ld_h + r] = bfloat(v);
+  const float2 gu = moe_gate_up_row<FMT>(args, x, shared, shared ? 0 : ids[j], r, gw, gs, gb, uw, us, ub, sgw, sgs,
+                                         sgb, suw, sus, sub, lane);
+  moe_store_gate_up(args, h, j, r, gu, lane);
 }
 
 // The same with the top-k fused in (moe_gemv_gate_up_topk_<fmt>): every simdgroup recomputes softmax + top-k
@@ -521,13 +543,29 @@ kernel void moe_gemv_gate_up_topk(LILY_MOE_GATE_UP_PARAMS,
       weights[i] = w[i];
     }
   if (r >= (shared ? args.N_shared : args.N)) return;  // uniform per simdgroup
-  const float v = moe_gate_up_row<FMT>(args, x, shared, shared ? 0 : sel[j], r, gw, gs, gb, uw, us, ub, sgw, sgs, sgb,
-                                       suw, sus, sub, lane);
-  if (lane == 0) h[long(j) * args.ld_h + r] = bfloat(v);
+  const float2 gu = moe_gate_up_row<FMT>(args, x, shared, shared ? 0 : sel[j], r, gw, gs, gb, uw, us, ub, sgw, sgs,
+                                         sgb, suw, sus, sub, lane);
+  moe_store_gate_up(args, h, j, r, gu, lane);
+}
+
+// The fuse_expert_swiglu ablation's second pass: h[j, r] = bf16(SiLU(g) * u) from gu bf16 [k + 1, 2, ld_h]
+// (moe_gemv_gate_up* with args.split); rows r < I (routed) or I_s (shared, j == k). Grid (ceil(ld_h / 256), k + 1).
+kernel void moe_gemv_swiglu(constant MoeGemvArgs& args [[buffer(0)]],
+                       device const bfloat* gu [[buffer(LILY_MOE_GEMV_X)]],
+                       device bfloat* h [[buffer(LILY_MOE_GEMV_OUT)]],
+                       uint2 tg [[threadgroup_position_in_grid]],
+                       uint tid [[thread_index_in_threadgroup]]) {
+  const int j = int(tg.y);
+  const int r = int(tg.x) * LILY_MOE_ELEMENTWISE_THREADS + int(tid);
+  if (r >= (j == args.top_k ? args.N_shared : args.N)) return;
+  const float g = float(gu[long(2 * j) * args.ld_h + r]), u = float(gu[long(2 * j + 1) * args.ld_h + r]);
+  h[long(j) * args.ld_h + r] = bfloat(moe_swiglu(g, u));
 }
 
 // FMT: format of the routed and the shared down matrices. Grid ceil(H / 8); a simdgroup owns output row r
 // and walks the k + 1 matrices in order, so row r of each is read once and the sum order is fixed.
+// args.split (the fuse_expert_combine ablation): x is a scratch y f32 [k + 1, H] that receives each matrix's
+// product unweighted (the shared expert's in row k), and moe_combine_weighted adds them into the residual.
 template <int FMT>
 kernel void moe_gemv_down(constant MoeGemvArgs& args [[buffer(0)]],
                           device const bfloat* h [[buffer(LILY_MOE_GEMV_X)]],
@@ -551,11 +589,16 @@ kernel void moe_gemv_down(constant MoeGemvArgs& args [[buffer(0)]],
     const int e = ids[j];
     const float d = moe_row_dot<FMT>(moe_wrow(dw, args.W, e, r), moe_srow(ds, args.W, e, r), moe_srow(db, args.W, e, r),
                                      h + long(j) * args.ld_h, args.K, lane);
-    acc += weights[j] * d;
+    if (!args.split) acc += weights[j] * d;
+    else if (lane == 0) x[long(j) * args.N + r] = d;
   }
   const float s = moe_row_dot<FMT>(moe_wrow(sdw, args.Ws, 0, r), moe_srow(sds, args.Ws, 0, r), moe_srow(sdb, args.Ws, 0, r),
                                    h + long(args.top_k) * args.ld_h, args.K_shared, lane);
-  if (lane == 0) x[r] += acc + moe_sigmoid(shared_logit[0]) * s;
+  if (lane != 0) return;
+  if (args.split)
+    x[long(args.top_k) * args.N + r] = s;
+  else
+    x[r] += acc + moe_sigmoid(shared_logit[0]) * s;
 }
 
 // ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
@@ -611,6 +654,12 @@ template [[host_name("moe_gemm_down_bf16_bm16")]] [[kernel]] void moe_gemm_down<
 template [[host_name("moe_gemm_down_bf16_bm32")]] [[kernel]] void moe_gemm_down<LILY_W_BF16, 32>(
     constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
     device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
+template [[host_name("moe_combine")]] [[kernel]] void moe_combine<false>(
+    constant MoeCombineArgs&, device const float*, device const int*, device const float*, device float*,
+    device const float*, device const float*, uint2, uint);
+template [[host_name("moe_combine_weighted")]] [[kernel]] void moe_combine<true>(
+    constant MoeCombineArgs&, device const float*, device const int*, device const float*, device float*,
+    device const float*, device const float*, uint2, uint);
 #define LILY_MOE_GATE_UP_SIG                                                                                  \
   constant MoeGemvArgs&, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, \
       device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, \

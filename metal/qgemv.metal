@@ -8,7 +8,10 @@
 // simd_sum combines the lanes. A threadgroup holds LILY_QGEMV_SIMDGROUPS independent simdgroups.
 // The 16 columns of a lane lie in one quantisation group, so a group's contribution is
 // scale * sum(q * x) + bias * sum(x), with sum(x) shared by all rows (MLX's qmv factorisation).
-// Previous hop: csrc/backends/metal/dense.cpp (encode_project with T == 1).
+// qgemv_dequant_<fmt> is the ablation of that fusion (MetalOptions::fuse_dequant off): it writes W as a bf16
+// matrix [rows, cols] into scratch for qgemv_bf16_* to read, the classic two-pass pipeline whose extra
+// traffic (the bf16 copy written, then read) the counters show; a thread dequantises 16 columns of one row.
+// Previous hop: csrc/backends/metal/dense.cpp (encode_project with T == 1, encode_dequant).
 #include <metal_stdlib>
 #include "lily_args.h"
 #include "quant.h"
@@ -91,6 +94,27 @@ kernel void qgemv(constant DenseArgs& args [[buffer(0)]],
   }
 }
 
+// FMT: LilyWeightFormat of W (q4 / q8). Grid (rows, ceil(cols / (16 x LILY_DEQUANT_THREADS))); cols is a
+// multiple of 64, so a thread's 16 columns lie in one quant group.
+template <int FMT>
+kernel void qgemv_dequant(constant DenseArgs& args [[buffer(0)]],
+                    device const uchar* w [[buffer(LILY_DENSE_W)]],
+                    device const uchar* scales [[buffer(LILY_DENSE_SCALES)]],
+                    device const uchar* biases [[buffer(LILY_DENSE_BIASES)]],
+                    device bfloat* out [[buffer(LILY_DENSE_OUT)]],
+                    uint2 tg [[threadgroup_position_in_grid]],
+                    uint tid [[thread_index_in_threadgroup]]) {
+  constexpr int NV = LILY_QGEMV_VALUES;
+  const int row = int(tg.x);
+  const int c = (int(tg.y) * LILY_DEQUANT_THREADS + int(tid)) * NV;
+  if (c >= args.cols) return;
+  float v[NV];
+  lily_dequant<FMT, NV>(w + ulong(row) * args.w_row_bytes, scales + ulong(row) * args.s_row_bytes,
+                        biases + ulong(row) * args.s_row_bytes, c, v);
+  device bfloat* o = out + long(row) * args.ld_out + c;
+  for (int j = 0; j < NV; ++j) o[j] = bfloat(v[j]);
+}
+
 // ---------------------------------------------------------------- instantiations (metal/kernels.def, dense)
 
 #define LILY_QGEMV(name, FMT, MODE)                                                                         \
@@ -107,3 +131,8 @@ LILY_QGEMV("qgemv_q8_f32add", LILY_W_Q8, LILY_OUT_F32_ADD)
 LILY_QGEMV("qgemv_bf16_bf16", LILY_W_BF16, LILY_OUT_BF16)
 LILY_QGEMV("qgemv_bf16_f32", LILY_W_BF16, LILY_OUT_F32)
 LILY_QGEMV("qgemv_bf16_f32add", LILY_W_BF16, LILY_OUT_F32_ADD)
+
+template [[host_name("qgemv_dequant_q4")]] [[kernel]] void qgemv_dequant<LILY_W_Q4>(
+    constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device bfloat*, uint2, uint);
+template [[host_name("qgemv_dequant_q8")]] [[kernel]] void qgemv_dequant<LILY_W_Q8>(
+    constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device bfloat*, uint2, uint);

@@ -2,7 +2,8 @@
 emulated device against tests/reference/dense.py: q4 / q8 / bf16 weights, every output mode (bf16 store, f32
 store, f32 add into the residual), rows and cols not multiples of the tiles, T = 1, 2, 7, 33, under the
 forward, reverse and random schedules. The Counters show the GEMV reads each weight byte once and the GEMM
-writes nothing but its output (no dequantised copy of W). The GEMM runs on both matrix paths: simdgroup_matrix
+writes nothing but its output (no dequantised copy of W); the fuse_dequant ablation's qgemv_dequant pass
+writes exactly that copy for the bf16 GEMV. The GEMM runs on both matrix paths: simdgroup_matrix
 (qgemm_*) and Metal 4 tensor ops (qgemm_tensor_*, matmul2d through the emulator's tensor shim), selected by the
 device's has_tensor_ops or forced."""
 import os
@@ -20,13 +21,13 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal 
 PAGE = 4096
 
 
-def run(bits, rows, cols, T, mode, order, seed, skew=0, tensor_ops=False, path="auto"):
+def run(bits, rows, cols, T, mode, order, seed, skew=0, tensor_ops=False, path="auto", dequant=False):
     rng = np.random.default_rng(seed)
     w, s, b, W = ref.random_matrix(rng, rows, cols, bits)
     x = ref.bf16_bits(rng.standard_normal((T, cols)).astype(np.float32))
     residual = rng.standard_normal((T, rows)).astype(np.float32)
     r = kernels.project(w, s, b, bits, rows, cols, x, mode, residual, order=order, seed=seed, weight_skew=skew,
-                       tensor_ops=tensor_ops, path=path)
+                       tensor_ops=tensor_ops, path=path, dequant=dequant)
     want = ref.project(W, x, mode, residual, gemm=T > 1)
     return r, want, W, x, residual
 
@@ -140,6 +141,28 @@ def test_gemv_reads_each_weight_byte_once(bits):
     buffers = 3 if bits else 1
     assert abs(c["bytes_read"]["weights"] - r["matrix_bytes"]) <= PAGE * buffers
     assert c["bytes_written"]["weights"] == 0
+
+
+# The fuse_dequant ablation: the qgemv_dequant kernel (qgemv_dequant_q4, qgemv_dequant_q8) writes W as bf16 (each
+# value the fp32 s * q + b rounded once), then qgemv_bf16_* reads that copy. cols not multiples of the 1024 columns a dequant threadgroup covers,
+# and unaligned weights.
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("bits,rows,cols,skew", [(4, 67, 320, 0), (8, 13, 128, 3), (4, 5, 2048, 1), (8, 33, 1088, 0)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_dequant_then_gemv(order, bits, rows, cols, skew, mode):
+    r, _, W, x, residual = run(bits, rows, cols, 1, mode, order, seed=6000 + order * 7 + bits + rows + mode,
+                               skew=skew, dequant=True)
+    np.testing.assert_array_equal(r["w_bf16"], ref.bf16_bits(W))
+    check(r, ref.project(ref.bf16_round(W), x, mode, residual), mode)
+    c = r["counters"]
+    dequant = {4: "qgemv_dequant_q4", 8: "qgemv_dequant_q8"}[bits]
+    assert c["kernels"] == {dequant: 1, "qgemv_bf16_" + ("bf16", "f32", "f32add")[mode]: 1}
+    assert c["stages"] == 2  # the GEMV reads what the dequant pass wrote
+    # The copy is written once and read once (page-granular counts), on top of the quantised W read once.
+    copy, out = rows * cols * 2, rows * (2 if mode == 0 else 4)
+    assert copy <= c["bytes_written"]["activations"] <= copy + out + 2 * PAGE
+    assert c["bytes_read"]["activations"] >= copy
+    assert c["bytes_read"]["weights"] <= r["matrix_bytes"] + 3 * PAGE
 
 
 @pytest.mark.parametrize("tensor_ops", [False, True], ids=["simdgroup", "tensor"])

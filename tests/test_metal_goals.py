@@ -9,7 +9,9 @@ numbers at the real dimensions):
 * counted decode bytes <= 1.05x the minimum at a context where the KV cache matters (benchmarks/metal_counters.py's
   minimum: every needed weight byte once, state read and written once, each KV row read once per KV head);
 * every ablation switch of MetalOptions (csrc/backends/metal/metal_backend.h), on and off, gives the same
-  logits within bf16 noise, and changes the counters the way it claims;
+  logits within bf16 noise, and changes the counters the way it claims; each unfused decode fusion
+  (fuse_expert_swiglu, fuse_expert_combine, fuse_gdn_step, fuse_dequant) moves at least its intermediates through
+  memory, written and read back;
 * prompt chunking bounds the peak temporary device memory (activations + io) by the chunk, not the prompt.
 """
 import json
@@ -117,6 +119,10 @@ ABLATIONS = [
     ({"fuse_norm_project": False}, "rmsnorm_f32_bf16"),
     ({"fuse_route": False}, "moe_route_topk"),
     ({"fuse_attn_prepare": False}, "attn_prepare_bf16"),
+    ({"fuse_expert_swiglu": False}, "moe_gemv_swiglu"),
+    ({"fuse_expert_combine": False}, "moe_combine_weighted"),
+    ({"fuse_gdn_step": False}, "gdn_scan_bf16"),
+    ({"fuse_dequant": False}, "qgemv_dequant_q4"),
     ({"gqa_pack": False}, None),
     ({"attn_path": 2}, "attn_decode_merge_bf16"),
     ({"gpu_routing": False}, "moe_route_topk"),
@@ -153,8 +159,64 @@ def test_ablation_same_outputs(baseline, prompt, opts, kernel):
     if opts.get("gpu_routing") is False:
         assert c["cpu_waits_in_step"] > 0 and c["command_buffers"] > 1
     base = c0["decode"]["last"]
-    if "fuse_norm_project" in opts or "fuse_route" in opts or "fuse_attn_prepare" in opts:
+    if "fuse_dequant" in opts:
+        # A dequant pass depends on nothing but the weights (and on its scratch being read by the previous
+        # GEMV): the derived barriers let it join the stage before its GEMV, so only dispatches grow.
+        assert c["dispatches"] > base["dispatches"] and c["stages"] == base["stages"]
+    elif any(k.startswith("fuse_") for k in opts):
         assert c["dispatches"] > base["dispatches"] and c["stages"] > base["stages"]
+
+
+# ---------------------------------------------------------------- what each unfused ablation materialises
+
+def _intermediate_bytes(ck, switch):
+    """Bytes of the intermediates one decode step of `ck` writes (and then reads back) with `switch` off:
+    swiglu: gate and up rows bf16 [k + 1, 2, max(I, I_s)] per layer; combine: the k + 1 unweighted down
+    products f32 [k + 1, H] per layer; gdn_step: the prefill scratch at T = 1 per GDN layer (qkvc bf16 [C],
+    gates f32 [n_v, 2], o f32 [n_v * d_v]); dequant: the bf16 copy of every quantised dense matrix the step
+    reads (GDN / attention projections, lm_head)."""
+    c = ck.config
+    L, k, H = len(c.layer_types), c.num_experts_per_tok, c.hidden_size
+    if switch == "fuse_expert_swiglu":
+        return L * (k + 1) * 2 * max(c.moe_intermediate_size, c.shared_expert_intermediate_size) * 2
+    if switch == "fuse_expert_combine":
+        return L * (k + 1) * H * 4
+    if switch == "fuse_gdn_step":
+        nv, V = c.linear_num_value_heads, c.linear_num_value_heads * c.linear_value_head_dim
+        return c.layer_types.count("linear_attention") * (c.conv_dim * 2 + nv * 2 * 4 + V * 4)
+    dense = [s for s in ck.specs if s.bits and s.cols > 1 and s.name != "embed_tokens" and ".mlp." not in s.name]
+    return sum(s.rows * s.cols * 2 for s in dense)
+
+
+@pytest.fixture(scope="module")
+def small4():
+    """synthetic:small cut to 4 layers (3 GDN + 1 attention; H 512, 32 experts): intermediates of several pages."""
+    from lily.checkpoint import read_checkpoint, resolve
+    with tempfile.TemporaryDirectory() as tmp:
+        yield read_checkpoint(mc.truncated_model(resolve("synthetic:small"), 4, Path(tmp)))
+
+
+def _step_counters(ck, opts):
+    e = lily.Engine(ck, backend="metal-emu", prefill_chunk=8, count_bytes=True, metal_options=opts)
+    s = e.new_session()
+    e.prefill(np.arange(8) + 5, s)
+    e.prefill([7], s)
+    return e.counters()["decode"]["last"]
+
+
+@pytest.mark.parametrize("switch", ["fuse_expert_swiglu", "fuse_expert_combine", "fuse_gdn_step", "fuse_dequant"])
+def test_unfused_moves_its_intermediates(small4, switch):
+    """Off, each decode fusion writes its intermediates and reads them back: activation traffic (read + written)
+    grows by at least twice their size. The checkpoint bytes read stay the same: the dequantised copies of
+    fuse_dequant off are Role::activations (a per-step scratch written and read back, not stored weights), so the
+    weights role keeps counting what is read from the checkpoint, once either way."""
+    on, off = _step_counters(small4, {}), _step_counters(small4, {switch: False})
+    act = lambda c: c["bytes_read"]["activations"] + c["bytes_written"]["activations"]
+    need = 2 * _intermediate_bytes(small4, switch)
+    assert act(off) - act(on) >= need, (switch, act(off) - act(on), need)
+    assert off["bytes_read"]["weights"] == on["bytes_read"]["weights"]
+    assert off["bytes_written"]["weights"] == 0
+    assert off["cpu_waits_in_step"] == 0 and off["command_buffers"] == 1
 
 
 def test_unknown_option_is_an_error():

@@ -2,7 +2,8 @@
 tests/reference/moe.py: routing (softmax, top-k with ties -> lower index, renormalisation), the GPU-built
 grouping (histogram, offsets, block map, scatter) checked exactly, the prefill grouped GEMMs with both tile
 heights (bitwise equal) and both matrix paths (simdgroup_matrix, and Metal 4 matmul2d through the emulator's
-tensor shim: selected by the device's tensor ops or forced), decode's fused GEMVs, an empty expert, a one-row expert, every assignment on one
+tensor shim: selected by the device's tensor ops or forced), decode's fused GEMVs and their unfused ablations
+(moe_gemv_swiglu, moe_combine_weighted), an empty expert, a one-row expert, every assignment on one
 expert, T = 1, 3, 17, 40 with E = 8, 16 and k = 2, 4, 8, q4 / q8 / bf16 weights, HF's fused gate_up layout,
 under the forward, reverse and random schedules. The Counters show decode reads the selected experts' bytes
 once and a whole layer runs in one command buffer whose only CPU wait is the final one."""
@@ -78,12 +79,12 @@ def random_routes(rng, T, E, k):
 
 
 def call(mode, mats, E, k, H, I, Is, xn, x, ids=None, w=None, tile=0, order=0, seed=0, skew=0, tensor_ops=False,
-         path="auto"):
+         path="auto", **fuse):
     T = xn.shape[0]
     ids = np.zeros((T, k), np.int32) if ids is None else np.ascontiguousarray(ids, np.int32)
     w = np.zeros((T, k), np.float32) if w is None else np.ascontiguousarray(w, np.float32)
     return kernels.moe(mode, mats, E, k, H, I, Is, xn, x, ids, w, tile_rows=tile, order=order, seed=seed,
-                       weight_skew=skew, tensor_ops=tensor_ops, path=path)
+                       weight_skew=skew, tensor_ops=tensor_ops, path=path, **fuse)
 
 
 def check_close(got, want, rel=3e-3):
@@ -311,6 +312,35 @@ def test_decode(fmt, k, order, fused):
     everything = E * (mb[1] + mb[2] + mb[3])
     assert got < need + (everything - k * (mb[1] + mb[2] + mb[3])) / 2  # far from reading unselected experts
     assert r["counters"]["stages"] == 2
+
+
+# The decode fusion ablations: moe_gemv_swiglu after a gate/up GEMV that stores gate and up rows (bf16), and
+# moe_combine_weighted after a down GEMV that stores each expert's product unweighted; I != I_s so the shared
+# row's width differs from the routed ones.
+@pytest.mark.parametrize("fmt,k,order", [("q4", 4, 0), ("q8", 2, 1), ("bf16", 8, 2), ("q4", 8, 2)])
+@pytest.mark.parametrize("swiglu,combine", [(False, True), (True, False), (False, False)])
+def test_decode_unfused(fmt, k, order, swiglu, combine):
+    H, E, I, Is = 256, 16, 128, 192
+    mats, f = make_layer(41 + k, H, E, I, Is, fmt=fmt)
+    xn, x = inputs(k + 3, 1, H)
+    ids, w = random_routes(np.random.default_rng(k + 3), 1, E, k)
+    r = call("decode", mats, E, k, H, I, Is, xn, x, ids, w, order=order, seed=k, fuse_swiglu=swiglu,
+             fuse_combine=combine)
+    check_close(r["x"], ref.moe(xn, x, ids, w, f, round_weights=False, round_gate_up=not swiglu), rel=1e-3)
+    fused = call("decode", mats, E, k, H, I, Is, xn, x, ids, w)
+    if swiglu:  # the combine ablation changes nothing before the down GEMV
+        np.testing.assert_array_equal(r["h"], fused["h"])
+    c, c0 = r["counters"], fused["counters"]
+    extra = [n for n, on in (("moe_gemv_swiglu", swiglu), ("moe_combine_weighted", combine)) if not on]
+    assert set(c["kernels"]) - set(c0["kernels"]) == set(extra)
+    assert c["stages"] == 2 + len(extra) and c["dispatches"] == c0["dispatches"] + len(extra)
+    # The intermediates go through memory: gate/up rows bf16 [k + 1, 2, max(I, I_s)] written and read, the
+    # products f32 [k + 1, H] written and read; the same weight bytes.
+    gu = (k + 1) * 2 * max(I, Is) * 2 * (not swiglu)
+    y = (k + 1) * H * 4 * (not combine)
+    assert c["bytes_written"]["activations"] - c0["bytes_written"]["activations"] >= gu + y - 2 * PAGE
+    assert c["bytes_read"]["activations"] - c0["bytes_read"]["activations"] >= gu + y - 2 * PAGE
+    assert c["bytes_read"]["weights"] == c0["bytes_read"]["weights"]
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8", "bf16"])

@@ -42,6 +42,10 @@ static metal::MetalOptions metal_options_of(const nb::dict& d) {
     if (key == "fuse_norm_project") o.fuse_norm_project = nb::cast<bool>(v);
     else if (key == "fuse_route") o.fuse_route = nb::cast<bool>(v);
     else if (key == "fuse_attn_prepare") o.fuse_attn_prepare = nb::cast<bool>(v);
+    else if (key == "fuse_expert_swiglu") o.fuse_expert_swiglu = nb::cast<bool>(v);
+    else if (key == "fuse_expert_combine") o.fuse_expert_combine = nb::cast<bool>(v);
+    else if (key == "fuse_gdn_step") o.fuse_gdn_step = nb::cast<bool>(v);
+    else if (key == "fuse_dequant") o.fuse_dequant = nb::cast<bool>(v);
     else if (key == "gqa_pack") o.gqa_pack = nb::cast<bool>(v);
     else if (key == "pipeline") o.pipeline = nb::cast<bool>(v);
     else if (key == "attn_path") o.attn_path = nb::cast<int>(v);
@@ -49,7 +53,8 @@ static metal::MetalOptions metal_options_of(const nb::dict& d) {
     else if (key == "moe_tile_rows") o.moe_tile_rows = nb::cast<int>(v);
     else
       throw std::invalid_argument("[engine] unknown metal option '" + key +
-                                  "' (fuse_norm_project, fuse_route, fuse_attn_prepare, gqa_pack, attn_path, "
+                                  "' (fuse_norm_project, fuse_route, fuse_attn_prepare, fuse_expert_swiglu, "
+                                  "fuse_expert_combine, fuse_gdn_step, fuse_dequant, gqa_pack, attn_path, "
                                   "gpu_routing, moe_tile_rows, pipeline)");
   }
   return o;

@@ -80,7 +80,7 @@ void init_kernels_moe(nb::module_& k) {
       [](const std::string& mode, const std::vector<MatrixSpec>& mats, int experts, int top_k, int hidden, int inter,
          int shared_inter, const HostArray<uint16_t>& xn, const HostArray<float>& x, const HostArray<int32_t>& ids_in,
          const HostArray<float>& weights_in, int tile_rows, int order, uint64_t seed, uint64_t weight_skew,
-         bool tensor_ops, const std::string& path) {
+         bool tensor_ops, const std::string& path, bool fuse_swiglu, bool fuse_combine) {
         if (mats.size() != 8)
           throw std::invalid_argument("[kernels.moe] mats: router, gate, up, down, shared_gate_proj, shared_up, "
                                       "shared_down, shared_gate");
@@ -131,7 +131,8 @@ void init_kernels_moe(nb::module_& k) {
           if (mode == "route" || mode == "layer") encode_moe_route(enc, *scratch, M, {bxn}, T, {bids}, {bw});
           if (mode == "route") return;
           if (decode)
-            encode_moe_decode(enc, *scratch, M, {bxn}, {bids}, {bw}, {bx});
+            encode_moe_decode(enc, *scratch, M, {bxn}, {bids}, {bw}, {bx},
+                              {.topk = false, .swiglu = fuse_swiglu, .combine = fuse_combine});
           else
             encode_moe_prefill(enc, *scratch, M, {bxn}, {bids}, {bw}, T, {bx}, tile_rows, gpath);
         });
@@ -167,7 +168,8 @@ void init_kernels_moe(nb::module_& k) {
       nb::arg("mode"), nb::arg("mats"), nb::arg("experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("inter"),
       nb::arg("shared_inter"), nb::arg("xn"), nb::arg("x"), nb::arg("ids"), nb::arg("weights"),
       nb::arg("tile_rows") = 0, nb::arg("order") = 0, nb::arg("seed") = 0, nb::arg("weight_skew") = 0,
-      nb::arg("tensor_ops") = false, nb::arg("path") = "auto",
+      nb::arg("tensor_ops") = false, nb::arg("path") = "auto", nb::arg("fuse_swiglu") = true,
+      nb::arg("fuse_combine") = true,
       "Runs the MoE family on an EmuDevice in one command buffer. mode 'route': ids/weights from xn; 'prefill' / "
       "'decode': x += MoE(xn) with the given ids [T, k] int32 and weights [T, k] f32; 'layer': route then prefill "
       "(decode when T == 1 and tile_rows == 0). mats: 8 (bits, experts, rows, cols, stored_rows, row_offset, codes "
@@ -175,5 +177,6 @@ void init_kernels_moe(nb::module_& k) {
       "shared_gate. weight_skew: bytes before every weight array in its buffer (unaligned tensors, as MLX writes "
       "them). tensor_ops: the emulated device reports Metal 4 tensor ops, so the prefill GEMMs take matmul2d "
       "(moe_gemm_*_tensor_*); path: 'auto' (the device decides), 'simdgroup' or 'tensor' (forced; needs "
-      "tensor_ops). Returns outputs, routing intermediates and 'counters'.");
+      "tensor_ops). fuse_swiglu / fuse_combine = False: decode's unfused ablations (moe_gemv_swiglu / "
+      "moe_combine_weighted passes). Returns outputs, routing intermediates and 'counters'.");
 }

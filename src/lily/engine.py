@@ -138,8 +138,9 @@ class Engine:
         # count_bytes=False (metal-emu) skips the emulator's byte counting, several times faster: the
         # counters then report dispatches, stages and waits but zero bytes.
         # metal_options (metal / metal-emu): the ablation switches of csrc/backends/metal/metal_backend.h
-        # MetalOptions, all on by default: fuse_norm_project, fuse_route, fuse_attn_prepare, gqa_pack,
-        # gpu_routing (bools), attn_path (0 automatic, 1 general, 2 split-KV), moe_tile_rows (0 rule, 16, 32).
+        # MetalOptions, all on by default: fuse_norm_project, fuse_route, fuse_attn_prepare, fuse_expert_swiglu,
+        # fuse_expert_combine, fuse_gdn_step, fuse_dequant, gqa_pack, gpu_routing (bools), attn_path
+        # (0 automatic, 1 general, 2 split-KV), moe_tile_rows (0 rule, 16, 32).
         # docs/performance.md shows what each changes in the counters.
         self.metal_options = dict(metal_options or {})
         self._core = _core.Engine(self._model, backend, prefill_chunk, threads, self.max_context, library, count_bytes,

@@ -53,15 +53,17 @@ def group(ids, E, bm):
     return counts, offsets, blocks
 
 
-def moe(xn_bits, x, ids, weights, mats, round_weights):
-    """x + MoE(xn): mats = dict of f32 matrices (Wg, Wu, Wd [E, ...], Sg, Su, Sd, sgate). Returns f32 [T, H]."""
+def moe(xn_bits, x, ids, weights, mats, round_weights, round_gate_up=False):
+    """x + MoE(xn): mats = dict of f32 matrices (Wg, Wu, Wd [E, ...], Sg, Su, Sd, sgate). Returns f32 [T, H].
+    round_gate_up: the gate and up outputs are stored bf16 before SwiGLU (decode's unfused ablation)."""
     rw = bf16_round if round_weights else (lambda a: a)
+    rgu = (lambda a: bf16_round(a.astype(np.float32)).astype(np.float64)) if round_gate_up else (lambda a: a)
     xs = bf16_float(xn_bits).astype(np.float64)
     T, _ = xs.shape
     out = x.astype(np.float64).copy()
 
     def expert(g, u, d, v):
-        h = bf16_round((silu(rw(g).astype(np.float64) @ v) * (rw(u).astype(np.float64) @ v)).astype(np.float32))
+        h = bf16_round((silu(rgu(rw(g).astype(np.float64) @ v)) * rgu(rw(u).astype(np.float64) @ v)).astype(np.float32))
         return rw(d).astype(np.float64) @ h.astype(np.float64)
 
     for t in range(T):

@@ -108,4 +108,27 @@ void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int 
                  mode == OutMode::f32_add ? Access::read_write : Access::write, out_bytes}});
 }
 
+DeviceMatrix encode_dequant(Encoder& enc, const DeviceMatrix& W, View scratch) {
+  if (W.format != LILY_W_Q4 && W.format != LILY_W_Q8)
+    throw std::invalid_argument("[dequant] W is not quantised (format " + std::to_string(int(W.format)) + ")");
+  if (W.rows <= 0 || W.cols <= 0 || W.cols % LILY_QGROUP || W.experts > 1)
+    throw std::invalid_argument("[dequant] W [" + std::to_string(W.rows) + ", " + std::to_string(W.cols) +
+                                "] is not one matrix of whole quant groups");
+  DeviceMatrix B;
+  B.format = LILY_W_BF16;
+  B.w = scratch.buffer, B.w_offset = scratch.offset;
+  B.rows = W.rows, B.cols = W.cols;
+  B.w_row_bytes = uint64_t(W.cols) * 2;
+  B.matrix_bytes = uint64_t(W.rows) * B.w_row_bytes;
+  const DenseArgs args{.T = 1, .rows = W.rows, .cols = W.cols, .ld_in = W.cols, .ld_out = W.cols, .pad = 0,
+                       .w_row_bytes = W.w_row_bytes, .s_row_bytes = W.s_row_bytes};
+  const int per_group = LILY_DEQUANT_THREADS * LILY_QGEMV_VALUES;
+  const MatrixBindings m = bind_matrix(W, LILY_DENSE_W, LILY_DENSE_SCALES, LILY_DENSE_BIASES);
+  enc.dispatch(W.format == LILY_W_Q4 ? KernelId::qgemv_dequant_q4 : KernelId::qgemv_dequant_q8,
+               Grid{uint32_t(W.rows), uint32_t((W.cols + per_group - 1) / per_group), 1},
+               Grid{uint32_t(LILY_DEQUANT_THREADS), 1, 1}, args,
+               {m.w, m.s, m.b, {LILY_DENSE_OUT, scratch.buffer, scratch.offset, Access::write, B.matrix_bytes}});
+  return B;
+}
+
 }  // namespace lily::metal

@@ -79,6 +79,10 @@ void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int 
 // Whether a tiled GEMM (dense or MoE) takes the tensor-op path; forcing it on a device without tensor ops
 // throws std::invalid_argument starting with `what` (the op and its shapes).
 bool gemm_uses_tensor_ops(const Encoder& enc, GemmPath path, const std::string& what);
+// The fuse_dequant ablation's first pass (MetalOptions): W (q4 / q8) written as bf16 [rows, cols] into
+// `scratch` (rows * cols * 2 bytes); returns the bf16 matrix over that copy, for encode_project /
+// encode_norm_project to read instead of W.
+DeviceMatrix encode_dequant(Encoder& enc, const DeviceMatrix& W, View scratch);
 
 // ---------------------------------------------------------------- proj (metal/proj.metal)
 // Decode (one row): out_m ← W_m · bf16(RMSNorm(x) · w) for n ≤ 4 matrices sharing the normed row, in one
@@ -112,10 +116,18 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
                         int tile_rows = 0, GemmPath path = GemmPath::automatic);
 // Decode (T = 1): fused gate/up + SwiGLU per selected expert and the shared expert; fused down + routing
 // weight + shared expert gate, added into x.
-// topk_fused: the router logits and the shared gate logit are already in the scratch (encode_moe_route_norm
-// wrote them): the gate/up GEMV recomputes the top-k itself and stores ids / weights for the down GEMV.
+struct MoeDecodeFusion {
+  // The router logits and the shared gate logit are already in the scratch (encode_moe_route_norm wrote
+  // them): the gate/up GEMV recomputes the top-k itself and stores ids / weights for the down GEMV.
+  bool topk = false;
+  // Off (MetalOptions::fuse_expert_swiglu): gate and up rows go to scratch, moe_gemv_swiglu makes h.
+  bool swiglu = true;
+  // Off (MetalOptions::fuse_expert_combine): each down product goes to scratch, moe_combine_weighted applies
+  // the routing weights and the shared expert's sigmoid gate and adds into x.
+  bool combine = true;
+};
 void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x,
-                       bool topk_fused = false);
+                       MoeDecodeFusion fuse = {});
 // Decode: xn ← bf16(RMSNorm(x) · w), router logits and the shared gate logit in one proj_norm dispatch, into
 // the scratch (the top-k follows inside encode_moe_decode(..., topk_fused = true)).
 void encode_moe_route_norm(Encoder& enc, MoeScratch& s, const MoeDevice& M, View x, const DeviceVec& w, float eps,

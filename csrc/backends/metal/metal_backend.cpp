@@ -404,16 +404,25 @@ class MetalBackendImpl final : public MetalBackend {
     check_rows(T, W.name.c_str());
     const bool f32 = out == Act::x || out == Act::logits;
     if (accumulate && !f32) throw std::invalid_argument("[metal] accumulate into bf16 " + std::string(act_name(out)));
-    encode_project(enc(), matrix_of(W), view(in), view(out), T,
-                   f32 ? (accumulate ? OutMode::f32_add : OutMode::f32) : OutMode::bf16);
+    const DeviceMatrix* src = &matrix_of(W);
+    DeviceMatrix M = *src;
+    if (T == 1) decode_matrices(&src, 1, &M);
+    encode_project(enc(), M, view(in), view(out), T, f32 ? (accumulate ? OutMode::f32_add : OutMode::f32) : OutMode::bf16);
   }
 
   void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps, int T) override {
     if (T != 1 || !opt_.fuse_norm_project || !proj_fits() || in != Act::x || ps.size() > size_t(LILY_PROJ_MAX_MATRICES))
       return Backend::norm_project(in, w, ps, T);
+    const DeviceMatrix* src[LILY_PROJ_MAX_MATRICES];
+    DeviceMatrix m[LILY_PROJ_MAX_MATRICES];
     ProjTarget t[LILY_PROJ_MAX_MATRICES];
     int n = 0;
-    for (const Projection& p : ps) t[n++] = {&matrix_of(*p.W), view(p.out)};
+    for (const Projection& p : ps) {
+      src[n] = &matrix_of(*p.W);
+      t[n] = {&m[n], view(p.out)};
+      ++n;
+    }
+    decode_matrices(src, n, m);
     encode_norm_project(enc(), view(Act::x), vec_of(w), c_.rms_eps, c_.hidden, t, n, false);
   }
 
@@ -437,6 +446,7 @@ class MetalBackendImpl final : public MetalBackend {
   }
   void gdn_decode(int layer) override {
     decode_ = true;
+    if (!opt_.fuse_gdn_step) return gdn_prefill(layer, 1);
     encode_gdn_decode(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
                       view(Act::alpha), gdn_states(layer), view(Act::mix));
   }
@@ -478,7 +488,7 @@ class MetalBackendImpl final : public MetalBackend {
       ids = {route_ids_host_.get()};
     }
     encode_moe_decode(enc(), *moe_scratch_, moe_[layer], view(Act::xn), ids, {route_w_.get()}, view(Act::x),
-                      topk_pending_);
+                      {.topk = topk_pending_, .swiglu = opt_.fuse_expert_swiglu, .combine = opt_.fuse_expert_combine});
     topk_pending_ = false;
   }
 
@@ -494,15 +504,18 @@ class MetalBackendImpl final : public MetalBackend {
     }
     logit_rows_ = rows;
     const View logits{last_logits_, 0};
+    const DeviceMatrix* src = &lm_head_;
+    DeviceMatrix head = lm_head_;
+    if (rows == 1) decode_matrices(&src, 1, &head);
     if (rows == 1 && opt_.fuse_norm_project && proj_fits()) {
-      const ProjTarget t{&lm_head_, logits};
+      const ProjTarget t{&head, logits};
       encode_norm_project(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, c_.rms_eps, c_.hidden, &t, 1,
                           true);
       return;
     }
     encode_rmsnorm(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, view(Act::xn), rows, c_.hidden,
                    c_.rms_eps);
-    encode_project(enc(), lm_head_, view(Act::xn), logits, rows, OutMode::f32);
+    encode_project(enc(), head, view(Act::xn), logits, rows, OutMode::f32);
   }
 
  private:
@@ -556,6 +569,31 @@ class MetalBackendImpl final : public MetalBackend {
     auto b = dev_->alloc(bytes, role, label);
     if (bytes) std::memset(b->contents(), 0, bytes);
     return b;
+  }
+
+  // ---- the fuse_dequant ablation
+  // Bytes of W's bf16 copy in the dequant scratch (256-byte aligned), 0 when decode reads W as it is.
+  uint64_t dequant_bytes(const DeviceMatrix& W) const {
+    if (opt_.fuse_dequant || W.format == LILY_W_BF16) return 0;
+    return (uint64_t(W.rows) * W.cols * 2 + 255) / 256 * 256;
+  }
+  // The n matrices one decode dispatch reads: each W itself, or (fuse_dequant off) its bf16 copy, dequantised
+  // now; the copies sit side by side in the scratch, so their dequant passes share a stage. The scratch is
+  // Role::activations: a per-step intermediate written and read back, not the checkpoint's stored weights,
+  // so the weights role keeps meaning "checkpoint bytes read" and the copy's traffic shows as activations.
+  void decode_matrices(const DeviceMatrix* const* W, int n, DeviceMatrix* out) {
+    uint64_t total = 0;
+    for (int i = 0; i < n; ++i) total += dequant_bytes(*W[i]);
+    if (total && (!dequant_ || dequant_->size < total)) {
+      if (dequant_) retired_recording_.push_back(std::move(dequant_));  // the command buffer may still read it
+      dequant_ = dev_->alloc(total, Role::activations, "dequant");
+    }
+    uint64_t at = 0;
+    for (int i = 0; i < n; ++i) {
+      const uint64_t bytes = dequant_bytes(*W[i]);
+      out[i] = bytes ? encode_dequant(enc(), *W[i], {dequant_.get(), at}) : *W[i];
+      at += bytes;
+    }
   }
 
   // proj_norm holds the normed row in threadgroup memory and sweeps it 16 columns a lane.
@@ -636,6 +674,7 @@ class MetalBackendImpl final : public MetalBackend {
     Buffer* logits;
   };
   std::deque<Unread> unread_;  // selected tokens not read yet, oldest first
+  std::shared_ptr<Buffer> dequant_;  // fuse_dequant off: the bf16 copies of one dispatch's matrices
   MetalOptions opt_;
   bool topk_pending_ = false;     // moe_norm_route left the top-k to moe_decode's gate/up GEMV
   uint64_t in_step_waits_ = 0;    // CPU waits while this step was being recorded

@@ -25,6 +25,20 @@ struct MetalOptions {
   bool fuse_route = true;
   // Decode: q/k RMSNorm + RoPE + KV-row write inside the attention kernel. Off: attn_prepare first.
   bool fuse_attn_prepare = true;
+  // Decode: the experts' gate/up GEMV applies SwiGLU before storing h. Off: gate and up rows go to scratch and
+  // moe_gemv_swiglu makes h in a separate pass.
+  bool fuse_expert_swiglu = true;
+  // Decode: the experts' down GEMV applies the routing weights and the shared expert's sigmoid gate and adds
+  // into x. Off: each expert's (and the shared expert's) product goes to scratch and moe_combine_weighted
+  // applies the weights and adds.
+  bool fuse_expert_combine = true;
+  // Decode: the GDN step (conv + SiLU, q/k l2-norm, gates, delta rule, gated norm) as the one gdn_step kernel.
+  // Off: the prefill kernels at T = 1 (gdn_conv, gdn_scan, gdn_gated_norm), intermediates through memory.
+  bool fuse_gdn_step = true;
+  // Decode: the dense projections (and lm_head) read 4/8-bit weights and dequantise in registers. Off: each
+  // quantised matrix is first written as a bf16 copy into scratch (qgemv_dequant_*) that the bf16 GEMV then
+  // reads (with fuse_norm_project on, proj_norm reads the copies). Experts and router are unchanged.
+  bool fuse_dequant = true;
   // GQA packing: LILY_ATTN_PACK_HEADS query heads of one KV head per threadgroup. Off: one head each.
   bool gqa_pack = true;
   // Decode attention path: 0 automatic (split-KV at >= LILY_ATTN_SPLIT_MIN_CONTEXT for d 256, GQA 8),

@@ -15,7 +15,9 @@
 // device reports them (Encoder::tensor_ops), simdgroup_matrix elsewhere; same grid, threads, bindings and tiles.
 //
 // Decode: shared-gate logit and gate_up (k experts + shared in one dispatch) → down (k experts + routing
-// weights + σ-gated shared expert, added into x). Two stages; each selected matrix is read once.
+// weights + σ-gated shared expert, added into x). Two stages; each selected matrix is read once. The
+// ablations (MoeDecodeFusion) put moe_gemv_swiglu after gate_up and moe_combine_weighted after down, each a stage
+// more, with the gate/up rows and the per-expert products going through scratch.
 #include "moe.h"
 
 #include <algorithm>
@@ -155,8 +157,9 @@ std::shared_ptr<MoeScratch> make_moe_scratch(Device& dev, const MoeDevice& M, in
   s->slot_weight = a(n * 4, "moe.slot_weight");
   s->slot_of = a(n * 4, "moe.slot_of");
   s->h = a(h_rows * h_width * 2, "moe.h");
+  s->gu = a((uint64_t(M.top_k) + 1) * 2 * h_width * 2, "moe.gu");
   s->hs = a(T * Is * 2, "moe.hs");
-  s->y = a(n * H * 4, "moe.y");
+  s->y = a(std::max<uint64_t>(n, uint64_t(M.top_k) + 1) * H * 4, "moe.y");
   s->ys = a(T * H * 4, "moe.ys");
   return s;
 }
@@ -271,7 +274,9 @@ void encode_moe_prefill(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn
                {{LILY_MOE_COMBINE_Y, s.y.get(), 0, Access::read, uint64_t(n) * H * 4},
                 {LILY_MOE_COMBINE_SLOT_OF, s.slot_of.get(), 0, Access::read, nb4},
                 {LILY_MOE_COMBINE_SHARED, s.ys.get(), 0, Access::read, uint64_t(T) * H * 4},
-                {LILY_MOE_COMBINE_X, x.buffer, x.offset, Access::read_write, uint64_t(T) * H * 4}});
+                {LILY_MOE_COMBINE_X, x.buffer, x.offset, Access::read_write, uint64_t(T) * H * 4},
+                {LILY_MOE_COMBINE_WEIGHTS, s.none.get(), 0, Access::read, 4},
+                {LILY_MOE_COMBINE_SHARED_LOGIT, s.none.get(), 0, Access::read, 4}});
 }
 
 void encode_moe_route_norm(Encoder& enc, MoeScratch& s, const MoeDevice& M, View x, const DeviceVec& w, float eps,
@@ -283,7 +288,7 @@ void encode_moe_route_norm(Encoder& enc, MoeScratch& s, const MoeDevice& M, View
 }
 
 void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x,
-                       bool topk_fused) {
+                       MoeDecodeFusion fuse) {
   check_dims(M);
   const int k = M.top_k, H = M.hidden, I = M.inter, Is = M.shared_inter;
   // One fused dispatch serves the routed and the shared matrices, so they must share a format (they do in
@@ -298,18 +303,20 @@ void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn,
   const uint64_t h_bytes = uint64_t(k + 1) * ld_h * 2, k4 = uint64_t(k) * 4;
   const Grid threads{uint32_t(LILY_MOE_GEMV_SIMDGROUPS * LILY_SIMD_WIDTH), 1, 1};
 
-  if (!topk_fused) encode_logits(enc, s, M.shared_gate, xn, 1, {s.shared_logit.get(), 0});
+  if (!fuse.topk) encode_logits(enc, s, M.shared_gate, xn, 1, {s.shared_logit.get(), 0});
   {
     const MatrixBindings g = bind_matrix(M.gate, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0);
     const MatrixBindings u = bind_matrix(M.up, LILY_MOE_GEMV_W1, LILY_MOE_GEMV_S1, LILY_MOE_GEMV_B1);
     const MatrixBindings sg = bind_matrix(M.shared_gate_proj, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0);
     const MatrixBindings su = bind_matrix(M.shared_up, LILY_MOE_GEMV_SW1, LILY_MOE_GEMV_SS1, LILY_MOE_GEMV_SB1);
     const MoeGemvArgs args{.K = H, .N = I, .N_shared = Is, .K_shared = H, .top_k = k, .ld_h = ld_h,
-                           .experts = M.experts, .pad = 0, .W = strides(M.gate), .Ws = strides(M.shared_gate_proj)};
+                           .experts = M.experts, .split = fuse.swiglu ? 0 : 1, .W = strides(M.gate),
+                           .Ws = strides(M.shared_gate_proj)};
     const Grid groups{cdiv(ld_h, LILY_MOE_GEMV_SIMDGROUPS), uint32_t(k + 1), 1};
     const Binding bx{LILY_MOE_GEMV_X, xn.buffer, xn.offset, Access::read, uint64_t(H) * 2};
-    const Binding bh{LILY_MOE_GEMV_OUT, s.h.get(), 0, Access::write, h_bytes};
-    if (topk_fused)
+    const Binding bh = fuse.swiglu ? Binding{LILY_MOE_GEMV_OUT, s.h.get(), 0, Access::write, h_bytes}
+                                   : Binding{LILY_MOE_GEMV_OUT, s.gu.get(), 0, Access::write, 2 * h_bytes};
+    if (fuse.topk)
       enc.dispatch(kGemvGateUpTopk[fmt_in], groups, threads, args,
                    {bx, {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::write, k4},
                     {LILY_MOE_GEMV_WEIGHTS, weights.buffer, weights.offset, Access::write, k4},
@@ -319,18 +326,40 @@ void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn,
       enc.dispatch(kGemvGateUp[fmt_in], groups, threads, args,
                    {bx, {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::read, k4}, g.w, g.s, g.b, u.w, u.s, u.b,
                     sg.w, sg.s, sg.b, su.w, su.s, su.b, bh});
+    if (!fuse.swiglu)
+      enc.dispatch(KernelId::moe_gemv_swiglu, Grid{cdiv(ld_h, LILY_MOE_ELEMENTWISE_THREADS), uint32_t(k + 1), 1},
+                   Grid{uint32_t(LILY_MOE_ELEMENTWISE_THREADS), 1, 1}, args,
+                   {{LILY_MOE_GEMV_X, s.gu.get(), 0, Access::read, 2 * h_bytes},
+                    {LILY_MOE_GEMV_OUT, s.h.get(), 0, Access::write, h_bytes}});
   }
   {
     const MatrixBindings d = bind_matrix(M.down, LILY_MOE_GEMV_W0, LILY_MOE_GEMV_S0, LILY_MOE_GEMV_B0);
     const MatrixBindings sd = bind_matrix(M.shared_down, LILY_MOE_GEMV_SW0, LILY_MOE_GEMV_SS0, LILY_MOE_GEMV_SB0);
     const MoeGemvArgs args{.K = I, .N = H, .N_shared = H, .K_shared = Is, .top_k = k, .ld_h = ld_h,
-                           .experts = M.experts, .pad = 0, .W = strides(M.down), .Ws = strides(M.shared_down)};
+                           .experts = M.experts, .split = fuse.combine ? 0 : 1, .W = strides(M.down),
+                           .Ws = strides(M.shared_down)};
+    const uint64_t H4 = uint64_t(H) * 4;
+    const Binding wk{LILY_MOE_GEMV_WEIGHTS, weights.buffer, weights.offset, Access::read, k4};
+    const Binding logit{LILY_MOE_GEMV_SHARED_LOGIT, s.shared_logit.get(), 0, Access::read, 4};
+    // Split: the weights and the shared logit are read by the combine instead (bound to 4 bytes never read).
+    const Binding none{0, s.none.get(), 0, Access::read, 4};
+    const Binding out = fuse.combine ? Binding{LILY_MOE_GEMV_OUT, x.buffer, x.offset, Access::read_write, H4}
+                                     : Binding{LILY_MOE_GEMV_OUT, s.y.get(), 0, Access::write, (k + 1) * H4};
+    auto slot = [](Binding b, int i) { b.slot = i; return b; };
     enc.dispatch(kGemvDown[fmt_down], Grid{cdiv(H, LILY_MOE_GEMV_SIMDGROUPS), 1, 1}, threads, args,
                  {{LILY_MOE_GEMV_X, s.h.get(), 0, Access::read, h_bytes},
                   {LILY_MOE_GEMV_IDS, ids.buffer, ids.offset, Access::read, k4},
-                  {LILY_MOE_GEMV_WEIGHTS, weights.buffer, weights.offset, Access::read, k4},
-                  {LILY_MOE_GEMV_SHARED_LOGIT, s.shared_logit.get(), 0, Access::read, 4}, d.w, d.s, d.b, sd.w, sd.s,
-                  sd.b, {LILY_MOE_GEMV_OUT, x.buffer, x.offset, Access::read_write, uint64_t(H) * 4}});
+                  fuse.combine ? wk : slot(none, LILY_MOE_GEMV_WEIGHTS),
+                  fuse.combine ? logit : slot(none, LILY_MOE_GEMV_SHARED_LOGIT), d.w, d.s, d.b, sd.w, sd.s, sd.b, out});
+    if (!fuse.combine) {
+      const MoeCombineArgs cargs{.T = 1, .H = H, .top_k = k, .pad = 0};
+      enc.dispatch(KernelId::moe_combine_weighted, Grid{cdiv(H, LILY_MOE_ELEMENTWISE_THREADS), 1, 1},
+                   Grid{uint32_t(LILY_MOE_ELEMENTWISE_THREADS), 1, 1}, cargs,
+                   {{LILY_MOE_COMBINE_Y, s.y.get(), 0, Access::read, k * H4}, slot(none, LILY_MOE_COMBINE_SLOT_OF),
+                    {LILY_MOE_COMBINE_SHARED, s.y.get(), k * H4, Access::read, H4},
+                    {LILY_MOE_COMBINE_X, x.buffer, x.offset, Access::read_write, H4}, slot(wk, LILY_MOE_COMBINE_WEIGHTS),
+                    slot(logit, LILY_MOE_COMBINE_SHARED_LOGIT)});
+    }
   }
 }
 
