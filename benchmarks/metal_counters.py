@@ -3,6 +3,7 @@ decode step through the first layers of a full-size checkpoint, against the mini
 
     python benchmarks/metal_counters.py [--model synthetic:full] [--layers 4] [--chunk 32] [--json out.json]
                                         [--options '{"fuse_route": false}'] [--ablations]
+                                        [--memory 32,128,512,2048]
 
 The emulator is far too slow for all 40 layers, so the model is cut to its first `--layers` layers (by a
 config override in a temporary directory whose shards are symlinks: nothing is copied) — with the default
@@ -12,7 +13,9 @@ each, the embedding row and the full lm_head. Per-layer figures scale to 40 laye
 Extrapolation to the whole model (--layers 4 = one 3 GDN + 1 attention pattern of Qwen3.6's 40 layers): the
 decode step's per-step overhead (embed, the final norm + lm_head, the on-device argmax of a generation step) is
 known from the schedule; the rest is one pattern, ×10. --ablations repeats the decode counters with each
-MetalOptions switch off (csrc/backends/metal/metal_backend.h), side by side.
+MetalOptions switch off (csrc/backends/metal/metal_backend.h), side by side. --memory lists the device memory
+the engine allocates for temporaries (activations and scratch, logits rows, per-chunk token ids) per prefill
+chunk size: what bounds a prompt's peak temporary memory (the KV cache and GDN state belong to sessions).
 
 Minimum decode bytes: every weight byte the token needs, once (each dense matrix, the router, the k selected
 experts' three matrices and the shared expert, one embedding row, lm_head), the recurrent and conv state
@@ -97,6 +100,19 @@ def decode_counters(src: Path, layers: int, chunk: int, options: dict) -> tuple:
         return e.counters()["decode"]["last"], ck.config.layer_types
 
 
+def temporaries(src: Path, layers: int, chunks: list) -> dict:
+    """Device bytes by role an engine allocates for prefill chunks of each size, before any session: the
+    activations (a chunk's intermediates and the families' scratch, shared by every layer, so the cut's figure
+    is the whole model's) and io (the two logits rows; token ids are allocated per chunk on top)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = read_checkpoint(truncated_model(src, layers, Path(tmp)))
+        for chunk in chunks:
+            m = lily.Engine(ck, backend="metal-emu", prefill_chunk=chunk, count_bytes=False).memory()["live"]
+            out[chunk] = {"activations": m["activations"], "io": m["io"] + 3 * chunk * 4}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:full")
@@ -105,7 +121,17 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--options", default="{}", help="MetalOptions as JSON (lily.Engine metal_options)")
     ap.add_argument("--ablations", action="store_true", help="also the decode counters with each switch off")
+    ap.add_argument("--memory", help="comma-separated prefill chunk sizes: the temporaries each allocates")
     args = ap.parse_args()
+    if args.memory:
+        chunks = [int(c) for c in args.memory.split(",")]
+        mem = temporaries(resolve(args.model), args.layers, chunks)
+        print(f"{'chunk':>6s} {'activations MB':>14s} {'io MB':>6s} {'MB per row':>10s}")
+        for c, m in mem.items():
+            print(f"{c:6d} {m['activations'] / 1e6:14.2f} {m['io'] / 1e6:6.2f} {(m['activations'] + m['io']) / 1e6 / c:10.3f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": args.model, "temporaries": mem}, indent=1))
+        return
     options = json.loads(args.options)
     src = resolve(args.model)
     with tempfile.TemporaryDirectory() as tmp:
