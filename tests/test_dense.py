@@ -66,7 +66,7 @@ def test_gemm(order, bits, rows, cols, T, mode, tensor_ops):
     r, want, *_ = run(bits, rows, cols, T, mode, order, seed=2000 + order * 7 + bits + rows + T + mode,
                       tensor_ops=tensor_ops)
     check(r, want, mode)
-    prefix = "qgemm_tensor_" if tensor_ops else "qgemm_"
+    prefix = ("qgemm_tensor" if tensor_ops else "qgemm") + "_"  # the kernel function, then its variant
     assert list(r["counters"]["kernels"]) == [prefix + ("q4", "q8", "bf16")[(4, 8, 0).index(bits)] + "_" +
                                               ("bf16", "f32", "f32add")[mode]]
 

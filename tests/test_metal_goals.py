@@ -156,6 +156,9 @@ def test_ablation_same_outputs(baseline, prompt, opts, kernel):
     if kernel:
         assert any(k.startswith(kernel) for k in c["kernels"]) or \
             any(k.startswith(kernel) for k in e.counters()["decode"]["total"]["kernels"]), (opts, c["kernels"])
+    if opts.get("fuse_route") is False:  # the top-k is its own dispatch: the experts' GEMV takes the ids
+        assert "moe_route_topk" in c["kernels"], c["kernels"]
+        assert any(k.rsplit("_", 1)[0] == "moe_gemv_gate_up" for k in c["kernels"]), c["kernels"]
     if opts.get("gpu_routing") is False:
         assert c["cpu_waits_in_step"] > 0 and c["command_buffers"] > 1
     base = c0["decode"]["last"]
