@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 import lily
-from lily.bench import BANDWIDTHS, minimum_decode_bytes
+from lily.bench import ABLATIONS, BANDWIDTHS, minimum_decode_bytes
 from lily.checkpoint import read_checkpoint, resolve
 
 ROLES = ("weights", "kv", "state", "activations", "io")
@@ -50,26 +50,6 @@ def truncated_model(src: Path, layers: int, into: Path) -> Path:
             os.symlink(f, into / f.name)
     (into / "config.json").write_text(json.dumps(cfg))
     return into
-
-
-# Each switch of MetalOptions turned to its ablation (the defaults are all on).
-ABLATIONS = {
-    "all on": {},
-    "fuse_norm_project off": {"fuse_norm_project": False},
-    "fuse_route off": {"fuse_route": False},
-    "fuse_attn_prepare off": {"fuse_attn_prepare": False},
-    "fuse_expert_swiglu off": {"fuse_expert_swiglu": False},
-    "fuse_expert_combine off": {"fuse_expert_combine": False},
-    "fuse_gdn_step off": {"fuse_gdn_step": False},
-    "fuse_dequant off": {"fuse_dequant": False},
-    "gqa_pack off": {"gqa_pack": False},
-    "attn_path split": {"attn_path": 2},
-    "gpu_routing off (CPU wait)": {"gpu_routing": False},
-    "moe_tile_rows 16": {"moe_tile_rows": 16},
-    "all fusions off": {"fuse_norm_project": False, "fuse_route": False, "fuse_attn_prepare": False,
-                        "fuse_expert_swiglu": False, "fuse_expert_combine": False, "fuse_gdn_step": False,
-                        "fuse_dequant": False},
-}
 
 
 def extrapolate(dec: dict, layer_types: list, options: dict, total_layers: int = 40) -> dict:

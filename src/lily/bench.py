@@ -316,6 +316,57 @@ def round_order(r: int, engines: list[str]) -> list[str]:
     return list(engines) if r % 2 == 0 else list(reversed(engines))
 
 
+# Each MetalOptions switch (csrc/backends/metal/metal_backend.h) turned to its ablation; all are on by default.
+# `lily bench --counters --ablations` and benchmarks/metal_counters.py --ablations report them side by side.
+ABLATIONS = {
+    "all on": {},
+    "fuse_norm_project off": {"fuse_norm_project": False},
+    "fuse_route off": {"fuse_route": False},
+    "fuse_attn_prepare off": {"fuse_attn_prepare": False},
+    "fuse_expert_swiglu off": {"fuse_expert_swiglu": False},
+    "fuse_expert_combine off": {"fuse_expert_combine": False},
+    "fuse_gdn_step off": {"fuse_gdn_step": False},
+    "fuse_dequant off": {"fuse_dequant": False},
+    "gqa_pack off": {"gqa_pack": False},
+    "attn_path split": {"attn_path": 2},
+    "gpu_routing off (CPU wait)": {"gpu_routing": False},
+    "pipeline off": {"pipeline": False},
+    "moe_tile_rows 16": {"moe_tile_rows": 16},
+    "all fusions off": {"fuse_norm_project": False, "fuse_route": False, "fuse_attn_prepare": False,
+                        "fuse_expert_swiglu": False, "fuse_expert_combine": False, "fuse_gdn_step": False,
+                        "fuse_dequant": False},
+}
+
+
+def ablation_counters(checkpoint, backend: str, *, prompt_tokens: int, decode_tokens: int = 3, base_options=None,
+                      seed: int = 0, **engine_kwargs) -> dict:
+    """Counters of one greedy generation (a prompt of `prompt_tokens` random ids, then `decode_tokens` tokens)
+    per ablation of ABLATIONS, each on a fresh engine: the prompt's last prefill chunk, the last decode step,
+    and per generated token the CPU waits and the drained ones (the GPU left idle)."""
+    from .engine import Engine
+    ids = np.random.default_rng(seed).integers(0, checkpoint.config.vocab_size, size=prompt_tokens).tolist()
+    out = {}
+    for name, opts in ABLATIONS.items():
+        e = Engine(checkpoint, backend=backend, metal_options={**(base_options or {}), **opts}, **engine_kwargs)
+        e.generate(ids, max_tokens=decode_tokens, temperature=0)
+        c = e.counters()
+        out[name] = {"options": opts, "prefill": c["prefill"]["last"], "decode": c["decode"]["last"],
+                     "per_token": {k: (c["decode"]["total"][k] + c["prefill"]["total"][k]) / decode_tokens
+                                   for k in ("cpu_waits", "cpu_waits_drained")}}
+    return out
+
+
+def format_ablations(abl: dict) -> str:
+    rows = [f"{'ablation':28s} {'prefill disp/stg':>16s} {'decode disp/stg':>15s} {'waits in step':>13s} "
+            f"{'drained/token':>13s} {'decode MB r+w':>13s}"]
+    for name, a in abl.items():
+        p, d = a["prefill"], a["decode"]
+        moved = (sum(d["bytes_read"].values()) + sum(d["bytes_written"].values())) / 1e6
+        rows.append(f"{name:28s} {p['dispatches']:>8d}/{p['stages']:<7d} {d['dispatches']:>7d}/{d['stages']:<7d} "
+                    f"{d['cpu_waits_in_step']:>13d} {a['per_token']['cpu_waits_drained']:>13.2f} {moved:>13.2f}")
+    return "\n".join(rows)
+
+
 def _counter_delta(after, before):
     if isinstance(after, dict):
         return {k: _counter_delta(v, (before or {}).get(k) if isinstance(before, dict) else None)
@@ -647,8 +698,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"lily bench: error: {e}", file=sys.stderr)
         return 2
     print(format_table(res))
+    if args.ablations and res.get("counters"):
+        prompt = (args.lengths or [32])[0]
+        res["counters"]["ablations"] = ablation_counters(
+            engine.checkpoint, args.backend, prompt_tokens=prompt, base_options=kwargs.get("metal_options"),
+            seed=args.seed, **{k: v for k, v in kwargs.items() if k != "metal_options"})
     if args.counters and res.get("counters"):
         print(json.dumps(res["counters"], indent=1))
+        if args.ablations:
+            print(format_ablations(res["counters"]["ablations"]))
     elif args.counters:
         print(f"(no counters: the {args.backend} backend reports none; use --backend metal-emu or metal)")
     if args.json:
@@ -695,6 +753,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--mlx-model", help="checkpoint directory for MLX-LM (default: the --model checkpoint)")
     b.add_argument("--counters", action="store_true",
                    help="record Engine.counters() per phase and length (metal-emu / metal backends)")
+    b.add_argument("--ablations", action="store_true",
+                   help="with --counters: also the counters of a short generation under each MetalOptions ablation, "
+                        "side by side (a fresh engine each; the JSON's counters.ablations)")
     b.add_argument("--metal-options", metavar="JSON",
                    help="MetalOptions ablation switches, e.g. '{\"fuse_route\": false}' (docs/performance.md)")
     b.add_argument("--json", metavar="FILE", help="write every figure, the settings and the run order as JSON")
