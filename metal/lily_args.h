@@ -66,6 +66,24 @@ struct CopyArgs {
   lily_u64 row_bytes, src_stride, dst_stride;
 };
 LILY_CONSTANT lily_i32 LILY_COPY_THREADS = 256;
+
+// sample_token (metal/sample.metal): token int32 [1] <- a draw from the penalised, filtered distribution of
+// logits f32 [V] (csrc/core/sampling.h's order of operations), then seen[token] = 1 and ++counts[token].
+// seen: uint8 [V] (prompt + generated, repetition penalty); counts: int32 [V] (generated, frequency/presence).
+enum LilySampleSlot : lily_i32 {
+  LILY_SAMPLE_LOGITS = 1, LILY_SAMPLE_SEEN = 2, LILY_SAMPLE_COUNTS = 3, LILY_SAMPLE_TOKEN = 4
+};
+struct SampleArgs {
+  lily_i32 vocab;
+  lily_i32 top_k;                     // 0 (or >= vocab): off
+  float temperature;                  // 0: greedy (no draw)
+  float top_p, min_p;                 // 1 / 0: off
+  float repetition_penalty, presence_penalty, frequency_penalty;  // 1 / 0 / 0: off
+  lily_u32 seed_lo, seed_hi;          // Philox4x32-10 key
+  lily_u32 counter_lo, counter_hi;    // Philox counter: the draws so far
+};
+LILY_CONSTANT lily_i32 LILY_SAMPLE_THREADS = 1024;
+LILY_CONSTANT lily_i32 LILY_SAMPLE_BINS = 256;  // radix-select digit: 8 bits of the 32-bit order key per pass
 // ---- end common ----
 
 // ---- family: qgemv / qgemm (dense projections) ----

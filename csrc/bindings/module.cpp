@@ -8,6 +8,7 @@ void init_engine(nb::module_& m);
 // an EmuDevice and returns numpy arrays.
 void init_kernels(nb::module_& k);
 void init_kernels_common(nb::module_& k);
+void init_kernels_sample(nb::module_& k);
 void init_kernels_dense(nb::module_& k);
 void init_kernels_moe(nb::module_& k);
 void init_kernels_gdn(nb::module_& k);
@@ -19,6 +20,7 @@ NB_MODULE(_core, m) {
   nb::module_ k = m.def_submodule("kernels", "One entry point per Metal encoder, run on the emulated device (tests)");
   init_kernels(k);
   init_kernels_common(k);
+  init_kernels_sample(k);
   init_kernels_dense(k);
   init_kernels_moe(k);
   init_kernels_gdn(k);

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "../../core/sampling.h"
 #include "../../core/weights.h"
 #include "device.h"
 #include "lily_args.h"
@@ -66,6 +67,16 @@ void encode_argmax(Encoder& enc, View logits, int V, View token_slot);
 // strides and offsets multiples of 16).
 void encode_copy_rows(Encoder& enc, View src, View dst, int rows, uint64_t row_bytes, uint64_t src_stride,
                       uint64_t dst_stride);
+
+// ---------------------------------------------------------------- sample (metal/sample.metal)
+// SampleArgs for one step of a request: its SamplingParams (validated) and the Philox counter = the draws so
+// far (sampling.h: one draw per non-greedy token, so the counter of step n is the number of earlier
+// non-greedy steps). Shared by the backend and the kernel tests.
+SampleArgs sample_args(const SamplingParams& p, int vocab, uint64_t counter);
+// token ← a draw from logits f32 [vocab] with Sampler's semantics (sampling.h), then seen[token] = 1 and
+// ++counts[token] (Sampler::accept). seen uint8 [vocab] (prompt + generated), counts int32 [vocab]
+// (generated); logits are left unmodified. One dispatch of one threadgroup.
+void encode_sample(Encoder& enc, View logits, int vocab, const SampleArgs& args, View seen, View counts, View token);
 
 // ---------------------------------------------------------------- dense (metal/qgemv.metal, metal/qgemm.metal)
 enum class OutMode : uint8_t { bf16, f32, f32_add };  // store bf16 / store f32 / add into f32 (residual)

@@ -1,0 +1,43 @@
+// The sample family's encoder (metal/sample.metal): token selection with penalties, temperature, top-k,
+// top-p, min-p and the request's Philox draw, on the device. Previous hop: the Metal backend glue (and
+// csrc/bindings/kernels_sample.cpp in tests); next hop: Encoder::dispatch.
+#include <stdexcept>
+#include <string>
+
+#include "encoders.h"
+
+namespace lily::metal {
+
+static_assert(sizeof(SampleArgs) == 48);
+
+SampleArgs sample_args(const SamplingParams& p, int vocab, uint64_t counter) {
+  p.validate(vocab);
+  return SampleArgs{.vocab = vocab,
+                    .top_k = p.top_k,
+                    .temperature = p.temperature,
+                    .top_p = p.top_p,
+                    .min_p = p.min_p,
+                    .repetition_penalty = p.repetition_penalty,
+                    .presence_penalty = p.presence_penalty,
+                    .frequency_penalty = p.frequency_penalty,
+                    .seed_lo = uint32_t(p.seed),
+                    .seed_hi = uint32_t(p.seed >> 32),
+                    .counter_lo = uint32_t(counter),
+                    .counter_hi = uint32_t(counter >> 32)};
+}
+
+void encode_sample(Encoder& enc, View logits, int vocab, const SampleArgs& args, View seen, View counts, View token) {
+  if (vocab <= 0 || args.vocab != vocab)
+    throw std::invalid_argument("[sample] vocab " + std::to_string(vocab) + " vs SampleArgs.vocab " +
+                                std::to_string(args.vocab));
+  const uint64_t V = uint64_t(vocab);
+  // One threadgroup: the selection is a chain of threadgroup-wide decisions (max, digit bins, the CDF
+  // crossing) that would each need a dispatch if split over threadgroups.
+  enc.dispatch(KernelId::sample_token, Grid{1, 1, 1}, Grid{uint32_t(LILY_SAMPLE_THREADS), 1, 1}, args,
+               {{LILY_SAMPLE_LOGITS, logits.buffer, logits.offset, Access::read, V * 4},
+                {LILY_SAMPLE_SEEN, seen.buffer, seen.offset, Access::read_write, V},
+                {LILY_SAMPLE_COUNTS, counts.buffer, counts.offset, Access::read_write, V * 4},
+                {LILY_SAMPLE_TOKEN, token.buffer, token.offset, Access::write, 4}});
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,49 @@
+// Test entry point of the sample family (csrc/backends/metal/sample.cpp): runs encode_sample over rows of
+// logits on an EmuDevice under the schedule the test asks for and returns the tokens, the updated seen /
+// counts, the logits as the device left them, and the Counters.
+// Previous hop: tests/test_sample.py; next hop: encode_sample.
+#include "kernels.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace nb = nanobind;
+using namespace lily::metal;
+
+void init_kernels_sample(nb::module_& k) {
+  k.def(
+      "sample",
+      [](const HostArray<float>& logits, const HostArray<uint8_t>& seen, const HostArray<int32_t>& counts,
+         const HostArray<uint64_t>& counters, const lily::SamplingParams& params, int order, uint64_t seed) {
+        if (logits.ndim() != 2 || seen.ndim() != 2 || counts.ndim() != 2 || counters.ndim() != 1)
+          throw std::invalid_argument("[sample] logits, seen, counts must be [N, V] and counters [N]");
+        const size_t N = logits.shape(0), V = logits.shape(1);
+        if (seen.shape(0) != N || seen.shape(1) != V || counts.shape(0) != N || counts.shape(1) != V ||
+            counters.shape(0) != N)
+          throw std::invalid_argument("[sample] shapes differ: logits [" + std::to_string(N) + ", " +
+                                      std::to_string(V) + "]");
+        KernelRun run(order, seed);
+        Buffer* l = run.upload(logits, Role::activations, "logits");
+        Buffer* s = run.upload(seen, Role::state, "seen");
+        Buffer* c = run.upload(counts, Role::state, "counts");
+        Buffer* tok = run.alloc(N * 4, Role::io, "tokens");
+        // One dispatch per row, all in one command buffer: independent rows share a stage.
+        run.encode([&](Encoder& enc) {
+          for (size_t r = 0; r < N; ++r)
+            encode_sample(enc, View{l, r * V * 4}, int(V), sample_args(params, int(V), counters.data()[r]),
+                          View{s, r * V}, View{c, r * V * 4}, View{tok, r * 4});
+        });
+        nb::dict d;
+        d["tokens"] = run.download<int32_t>(tok, {N});
+        d["seen"] = run.download<uint8_t>(s, {N, V});
+        d["counts"] = run.download<int32_t>(c, {N, V});
+        d["logits"] = run.download<float>(l, {N, V});
+        d["counters"] = run.counters();
+        return d;
+      },
+      nb::arg("logits"), nb::arg("seen"), nb::arg("counts"), nb::arg("counters"), nb::arg("params"),
+      nb::arg("order") = 0, nb::arg("seed") = 0,
+      "Row r: token of logits f32 [N, V] row r sampled with params (Philox counter counters[r]), recorded into "
+      "seen uint8 [N, V] and counts int32 [N, V] row r. Returns {'tokens', 'seen', 'counts', 'logits', "
+      "'counters'}.");
+}
