@@ -21,11 +21,15 @@ GEOM, KIND = tm.PEAKED, "mlx_q4_bf16"
 _ENGINES: dict = {}
 
 
+def engine_for(geom, pipeline=True):
+    if (geom, pipeline) not in _ENGINES:
+        _ENGINES[geom, pipeline] = lily.Engine.from_pretrained(tm.get_model(geom, KIND), backend="metal-emu",
+                                                               count_bytes=False, metal_options={"pipeline": pipeline})
+    return _ENGINES[geom, pipeline]
+
+
 def engine(pipeline=True):
-    if pipeline not in _ENGINES:
-        _ENGINES[pipeline] = lily.Engine.from_pretrained(tm.get_model(GEOM, KIND), backend="metal-emu",
-                                                         count_bytes=False, metal_options={"pipeline": pipeline})
-    return _ENGINES[pipeline]
+    return engine_for(GEOM, pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +116,38 @@ def test_the_step_run_ahead_is_undone(prompt, how):
     ca = on._core.generation(sa, more, 4, [], params())
     cb = off._core.generation(sb, more, 4, [], params())
     assert [ca.next().token for _ in range(4)] == [cb.next().token for _ in range(4)]
+
+
+SAMPLED = [
+    dict(temperature=0.9, seed=11),
+    dict(temperature=1.3, top_k=12, top_p=0.9, min_p=0.02, seed=2**40 + 5),
+    dict(temperature=1.1, top_p=0.7, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3, seed=7),
+    dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5),  # greedy over penalised logits
+]
+
+
+@pytest.mark.parametrize("kw", SAMPLED, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_sampled_tokens_are_the_host_samplers_on_the_same_logits(prompt, kw):
+    """The device's sample_token picks, step after step (its penalty tables updated on the device), the token the
+    host Sampler picks from the same logits rows — replayed here through the same ops (the prompt's last row,
+    then one decode step per token) — and pipelining does not change them."""
+    e = engine_for(tm.BASE)
+    n = 10
+    got, _, g = run(e, prompt, n, p=params(**kw))
+    assert g.pipelined and len(got) == n
+    last = e.counters()["decode"]["last"]
+    assert last["kernels"].get("sample_token") == 1 and "argmax_f32" not in last["kernels"], last["kernels"]
+    off, _, _ = run(engine_for(tm.BASE, pipeline=False), prompt, n, p=params(**kw))
+    assert off == got
+    s = e._core.new_session()
+    rows = [e._core.feed(s, prompt)[0]]
+    rows += [e._core.logits(s, np.asarray([t], np.int32))[0] for t in got[:-1]]
+    host = _core.Sampler(params(**kw), e.config.vocab_size, list(prompt))
+    want = []
+    for row in rows:
+        c = host.sample(np.ascontiguousarray(row, np.float32))
+        host.accept(c.token)
+        want.append(c.token)
+    assert got == want
+    if kw["temperature"] > 0:
+        assert len(set(got)) > 2  # the draws are not all one token: the comparison sees the sampler at work

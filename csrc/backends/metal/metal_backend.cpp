@@ -23,12 +23,6 @@ namespace lily::metal {
 
 namespace {
 
-// TEMP-SAMPLER: stand-ins until the device sampler (metal/sample.metal) is merged.
-struct SampleArgs {};
-inline SampleArgs sample_args(const SamplingParams&, int, uint64_t) { return {}; }
-inline void encode_sample(Encoder&, View, int, const SampleArgs&, View, View, View) {
-  throw std::logic_error("device sampler not merged yet");
-}
 
 // KV cache growth: whole blocks of rows, at least doubling, so growth copies stay O(context) in total.
 constexpr int64_t kKvBlock = 256;
