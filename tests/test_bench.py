@@ -113,6 +113,29 @@ def test_bench_counters_metal_emu():
     json.dumps(res)
 
 
+def test_bench_ablations_side_by_side(tmp_path, capsys):
+    """lily bench --counters --ablations: every MetalOptions ablation's counters in the JSON and a table, each
+    differing from "all on" the way the switch claims."""
+    out = tmp_path / "a.json"
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", "metal-emu", "--lengths", "8",
+                                 "--contexts", "8", "--decode-tokens", "1", "--repeats", "1", "--warmup", "0",
+                                 "--counters", "--ablations", "--quiet", "--json", str(out)])
+    assert args.func(args) == 0
+    abl = json.loads(out.read_text())["counters"]["ablations"]
+    assert list(abl) == list(bench.ABLATIONS)
+    on = abl["all on"]
+    assert "fuse_gdn_step off" in capsys.readouterr().out
+    for name in ("fuse_norm_project off", "fuse_route off", "fuse_expert_swiglu off", "fuse_expert_combine off",
+                 "fuse_gdn_step off", "all fusions off"):
+        assert abl[name]["decode"]["dispatches"] > on["decode"]["dispatches"], name
+    assert abl["gpu_routing off (CPU wait)"]["decode"]["cpu_waits_in_step"] > 0 == on["decode"]["cpu_waits_in_step"]
+    # pipelined: one drained wait per generation (the last token's); one step at a time: one per token
+    assert abl["pipeline off"]["per_token"]["cpu_waits_drained"] > on["per_token"]["cpu_waits_drained"]
+    dq = abl["fuse_dequant off"]["decode"]
+    assert dq["bytes_written"]["activations"] > on["decode"]["bytes_written"]["activations"]
+    assert dq["bytes_read"]["weights"] == on["decode"]["bytes_read"]["weights"]
+
+
 def test_bench_reference_backend_has_no_counters():
     e = lily.Engine.from_pretrained("synthetic:tiny")
     res = bench.run_bench(e, lengths=[8], contexts=[8], decode_tokens=1, repeats=1, warmup=0, counters=True,

@@ -88,6 +88,9 @@ class _Scripted:
             self.finish = "length"
         return _Choice(tok)
 
+    def close(self):  # nothing runs ahead here: only the end of the generation
+        self.finish = self.finish or "cancelled"
+
 
 class CoreProxy:
     """Stands in for engine._core: counts decode steps and prompt tokens fed; optionally slows steps down,
