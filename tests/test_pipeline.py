@@ -151,3 +151,21 @@ def test_sampled_tokens_are_the_host_samplers_on_the_same_logits(prompt, kw):
     assert got == want
     if kw["temperature"] > 0:
         assert len(set(got)) > 2  # the draws are not all one token: the comparison sees the sampler at work
+
+
+def test_logprobs_come_from_each_steps_own_logits_row(prompt):
+    """With a step always queued behind the one being read, each token's logprobs must come from its own step's
+    logits row (one row per token slot), not from the step after it."""
+    e = engine_for(tm.BASE)
+    s = e._core.new_session()
+    g = e._core.generation(s, prompt, 6, [], params(temperature=1.0, seed=3, logprobs=True, top_logprobs=3))
+    choices = [g.next() for _ in range(6)]
+    assert g.pipelined
+    r = e._core.new_session()
+    rows = [e._core.feed(r, prompt)[0]]
+    rows += [e._core.logits(r, np.asarray([c.token], np.int32))[0] for c in choices[:-1]]
+    for c, row in zip(choices, rows):
+        lse = np.logaddexp.reduce(row.astype(np.float64))
+        assert c.logprob == pytest.approx(row[c.token] - lse, abs=1e-5)
+        top = np.argsort(-row, kind="stable")[:3]
+        assert [t for t, _ in c.top] == top.tolist()
