@@ -8,6 +8,9 @@ and next logits); the counters show the GPU never drained between steps (one dra
 last token's, against one per step without pipelining) and no CPU wait inside a step; sampled tokens are the
 host Sampler's on the same logits rows (sampling.h semantics, seeded Philox).
 """
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -169,3 +172,37 @@ def test_logprobs_come_from_each_steps_own_logits_row(prompt):
         assert c.logprob == pytest.approx(row[c.token] - lse, abs=1e-5)
         top = np.argsort(-row, kind="stable")[:3]
         assert [t for t, _ in c.top] == top.tolist()
+
+
+def test_a_cancel_flag_stops_the_prompt_between_chunks():
+    """CancelFlag.set() from another thread (a server whose client went away) stops a long prompt before its next
+    prefill chunk: Cancelled is raised, and the session holds exactly the chunks that ran."""
+    e = lily.Engine.from_pretrained(tm.get_model(tm.BASE, KIND), backend="metal-emu", count_bytes=False,
+                                    prefill_chunk=4)
+    ids = np.random.default_rng(9).integers(0, e.config.vocab_size, 400).astype(np.int32)
+    flag = lily.CancelFlag()
+    s = e._core.new_session()
+    g = e._core.generation(s, ids, 4, [], params(), cancel=flag)
+
+    def cancel_once_started():
+        while s.position == 0:
+            time.sleep(0.001)
+        flag.set()
+
+    t = threading.Thread(target=cancel_once_started)
+    t.start()
+    with pytest.raises(lily.Cancelled, match="cancelled after"):
+        g.next()
+    t.join()
+    assert g.done and g.finish_reason == "cancelled"
+    assert 0 < s.prefilled < len(ids) and s.prefilled % 4 == 0
+    assert s.position == s.prefilled and s.tokens == ids[:s.prefilled].tolist()
+    # a flag set before anything runs: nothing is fed; the Python stream raises it too
+    flag2 = lily.CancelFlag()
+    flag2.set()
+    with pytest.raises(lily.Cancelled):
+        list(e.stream(ids[:40].tolist(), max_tokens=2, cancel=flag2))
+    sess = e.new_session()
+    with pytest.raises(lily.Cancelled):
+        list(e.stream(ids[:40].tolist(), max_tokens=2, cancel=flag2, session=sess))
+    assert sess.position == 0

@@ -103,24 +103,29 @@ class CoreProxy:
         self.delay = 0.0
         self.script = None      # token ids to emit instead of sampling
         self.no_stop = False
+        self.cancels = []       # the CancelFlag each prefill was given
 
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def feed(self, session, ids, chunk=0):
+    def feed(self, session, ids, chunk=0, cancel=None):
         self.fed += len(ids)
-        return self._real.feed(session, ids, chunk)
+        self.cancels.append(cancel)
+        return self._real.feed(session, ids, chunk, cancel)
 
-    def generation(self, session, prompt, max_tokens, stop_ids, params, chunk=0, first_logits=None):
+    def generation(self, session, prompt, max_tokens, stop_ids, params, chunk=0, first_logits=None, cancel=None):
         self.fed += len(prompt)
+        if len(prompt):  # an empty prompt (the first token from a snapshot's logits) prefills nothing
+            self.cancels.append(cancel)
         stop_ids = [] if self.no_stop else stop_ids
         if self.script is not None:
             return _Scripted(self, session, prompt, self.script, max_tokens, stop_ids)
         return _Counted(self, self._real.generation(session, prompt, max_tokens, stop_ids, params, chunk,
-                                                    first_logits))
+                                                    first_logits, cancel))
 
     def reset(self):
         self.steps = self.fed = 0
+        self.cancels = []
         self.delay, self.script, self.no_stop = 0.0, None, False
 
 
@@ -447,7 +452,8 @@ def test_queue_fifo_and_429(engine, core):
 
 def test_disconnect_cancels_generation(live, core):
     core.delay, core.no_stop = 0.01, True
-    body = {"model": MODEL, "messages": USER, "max_tokens": 400, "stream": True}
+    fresh = [{"role": "user", "content": "A prompt no earlier request cached, so that it is prefilled."}]
+    body = {"model": MODEL, "messages": fresh, "max_tokens": 400, "stream": True}
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", live.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -470,6 +476,8 @@ def test_disconnect_cancels_generation(live, core):
         time.sleep(0.01)
     assert core.steps < 100, core.steps
     assert live.health()["stats"]["cancelled"] >= 2
+    # Each prefill was handed the request's CancelFlag (set on the disconnect: the engine stops between chunks).
+    assert core.cancels and all(isinstance(c, lily.CancelFlag) and c.is_set() for c in core.cancels)
     # The engine is free and its state intact for the next request.
     core.reset()
     r = httpx.post(live.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 3})

@@ -182,6 +182,14 @@ void init_engine(nb::module_& m) {
       })
       .def_prop_ro("draws", &Sampler::draws);
 
+  nb::class_<CancelFlag>(m, "CancelFlag",
+                         "Set it from any thread to stop a prompt between two prefill chunks (Engine.stream(cancel=...)); "
+                         "the call then raises lily.Cancelled.")
+      .def(nb::init<>())
+      .def("set", &CancelFlag::set)
+      .def("is_set", &CancelFlag::is_set);
+  nb::exception<Cancelled>(m, "Cancelled", PyExc_RuntimeError);
+
   nb::class_<Generation>(m, "Generation")
       .def("next",
            [](Generation& g) {
@@ -290,16 +298,19 @@ void init_engine(nb::module_& m) {
       .def(
           "generation",
           [](Engine& e, Session& s, TokenArray prompt, int64_t max_tokens, const std::vector<int32_t>& stop_ids,
-             const SamplingParams& params, int chunk, std::optional<LogitsRow> first_logits) {
+             const SamplingParams& params, int chunk, std::optional<LogitsRow> first_logits,
+             std::shared_ptr<CancelFlag> cancel) {
             GenerateOptions o;
             o.max_tokens = max_tokens, o.stop_ids = stop_ids, o.sampling = params, o.chunk = chunk;
+            o.cancel = std::move(cancel);
             if (first_logits && int64_t(first_logits->shape(0)) != e.model().config().vocab)
               throw std::invalid_argument("[engine] first_logits must have vocab entries");
             return new Generation(e, s, prompt.data(), int64_t(prompt.shape(0)), o,
                                   first_logits ? first_logits->data() : nullptr);
           },
           nb::arg("session"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_ids"), nb::arg("params"),
-          nb::arg("chunk") = 0, nb::arg("first_logits") = nb::none(), nb::rv_policy::take_ownership,
+          nb::arg("chunk") = 0, nb::arg("first_logits") = nb::none(), nb::arg("cancel").none() = nb::none(),
+          nb::rv_policy::take_ownership,
           nb::keep_alive<0, 1>(), nb::keep_alive<0, 2>())
       .def(
           "logits",
@@ -315,15 +326,15 @@ void init_engine(nb::module_& m) {
           nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0)
       .def(
           "feed",
-          [](Engine& e, Session& s, TokenArray tokens, int chunk) {
+          [](Engine& e, Session& s, TokenArray tokens, int chunk, std::shared_ptr<CancelFlag> cancel) {
             std::vector<float> out;
             {
               nb::gil_scoped_release nogil;
-              out = e.feed(s, tokens.data(), int64_t(tokens.shape(0)), chunk);
+              out = e.feed(s, tokens.data(), int64_t(tokens.shape(0)), chunk, cancel.get());
             }
             return to_numpy(std::move(out), 1, size_t(e.model().config().vocab));
           },
-          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0)
+          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0, nb::arg("cancel").none() = nb::none())
       .def(
           "generate_greedy",
           [](Engine& e, Session& s, TokenArray prompt, int64_t max_tokens, const std::vector<int32_t>& stop_ids,

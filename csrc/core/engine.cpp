@@ -70,26 +70,36 @@ std::vector<float> Engine::logits(Session& s, const int32_t* tokens, int64_t n, 
   return out;
 }
 
-std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, int chunk) {
+void Engine::prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bool select, const CancelFlag* cancel) {
+  const int rows = chunk_rows(chunk);
+  for (int64_t i = 0; i < n; i += rows) {
+    if (cancel && cancel->is_set()) {
+      s.tokens.insert(s.tokens.end(), tokens, tokens + i);
+      s.prefilled += i;
+      throw Cancelled("[engine] cancelled after " + std::to_string(i) + " of " + std::to_string(n) + " prompt tokens");
+    }
+    const int T = int(std::min<int64_t>(rows, n - i));
+    const bool last = i + T == n;
+    schedule::prefill_chunk(*backend_, *model_, *s.state, tokens + i, T,
+                            last ? schedule::Logits::last : schedule::Logits::none, last && select);
+  }
+  s.tokens.insert(s.tokens.end(), tokens, tokens + n);
+  s.prefilled += n;
+}
+
+std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, int chunk, const CancelFlag* cancel) {
   if (n <= 0) throw std::invalid_argument("[engine] nothing to feed");
   check_context(s, n);
   check_tokens(tokens, n, model_->config().vocab);
-  const int V = model_->config().vocab, rows = chunk_rows(chunk);
-  std::vector<float> out(V);
+  std::vector<float> out(size_t(model_->config().vocab));
   if (n == 1) {
     schedule::decode_step(*backend_, *model_, *s.state, tokens);
     s.decoded += 1;
+    s.tokens.push_back(tokens[0]);
   } else {
-    for (int64_t i = 0; i < n; i += rows) {
-      const int T = int(std::min<int64_t>(rows, n - i));
-      const bool last = i + T == n;
-      schedule::prefill_chunk(*backend_, *model_, *s.state, tokens + i, T,
-                              last ? schedule::Logits::last : schedule::Logits::none);
-    }
-    s.prefilled += n;
+    prefill(s, tokens, n, chunk, false, cancel);
   }
   backend_->read_logits(out.data(), 1);
-  s.tokens.insert(s.tokens.end(), tokens, tokens + n);
   return out;
 }
 
@@ -183,17 +193,15 @@ TokenChoice Generation::next() {
     if (n == 1) {
       schedule::decode_step(b, m, *s_.state, prompt_.data(), true);
       s_.decoded += 1;
+      s_.tokens.push_back(prompt_[0]);
     } else if (n > 1) {
-      const int rows = e_.chunk_rows(o_.chunk);
-      for (int64_t i = 0; i < n; i += rows) {
-        const int T = int(std::min<int64_t>(rows, n - i));
-        const bool last = i + T == n;
-        schedule::prefill_chunk(b, m, *s_.state, prompt_.data() + i, T,
-                                last ? schedule::Logits::last : schedule::Logits::none, last);
+      try {
+        e_.prefill(s_, prompt_.data(), n, o_.chunk, true, o_.cancel.get());
+      } catch (const Cancelled&) {
+        finish_ = "cancelled";
+        throw;
       }
-      s_.prefilled += n;
     }
-    s_.tokens.insert(s_.tokens.end(), prompt_.begin(), prompt_.end());
   } else if (!ahead_) {
     feed(last_on_host_ ? &last_ : nullptr);
     s_.tokens.push_back(last_);

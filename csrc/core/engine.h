@@ -1,7 +1,9 @@
 // The C++ engine: one model, one backend, sessions with their state, and the generation loop.
 // Called from Python through bindings/engine.cpp; runs the schedule (schedule/schedule.h) chunk by chunk.
 #pragma once
+#include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -20,11 +22,23 @@ struct Session {
   int64_t decoded = 0;    // tokens run through the decode schedule
 };
 
+// Set from any thread (a server noticing that its client went away) to stop a prompt between two prefill
+// chunks: the engine then throws Cancelled, the session holding the chunks already run.
+struct CancelFlag {
+  std::atomic<bool> flag{false};
+  void set() { flag.store(true); }
+  bool is_set() const { return flag.load(); }
+};
+struct Cancelled : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct GenerateOptions {
   int64_t max_tokens = 64;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
   SamplingParams sampling;
   int chunk = 0;                  // prefill chunk rows (0 = the backend's limit)
+  std::shared_ptr<const CancelFlag> cancel;  // checked before every prefill chunk
 };
 
 class Engine;
@@ -99,8 +113,8 @@ class Engine {
   // schedule in chunks of at most `chunk` rows (0 = the backend's limit); a single token runs the decode step.
   std::vector<float> logits(Session& s, const int32_t* tokens, int64_t n, int chunk = 0);
 
-  // Feed `tokens` and return the logits of the last one only [V].
-  std::vector<float> feed(Session& s, const int32_t* tokens, int64_t n, int chunk = 0);
+  // Feed `tokens` and return the logits of the last one only [V]. `cancel`: checked before every chunk.
+  std::vector<float> feed(Session& s, const int32_t* tokens, int64_t n, int chunk = 0, const CancelFlag* cancel = nullptr);
 
   // Runs a Generation to the end; on_token(choice) returns false to stop early. Returns the tokens.
   std::vector<int32_t> generate(Session& s, const int32_t* prompt, int64_t n, const GenerateOptions& o,
@@ -115,6 +129,9 @@ class Engine {
  private:
   friend class Generation;
   void check_context(const Session& s, int64_t n) const;
+  // Runs tokens [0, n) of a prompt through the prefill schedule in chunks (the last one with the logits of its
+  // last row, selecting the next token on the device when `select`); throws Cancelled between chunks.
+  void prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bool select, const CancelFlag* cancel);
   int chunk_rows(int chunk) const;
 
   std::shared_ptr<Model> model_;

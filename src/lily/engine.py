@@ -22,6 +22,9 @@ import time
 from typing import Iterator
 
 from . import _core
+
+CancelFlag = _core.CancelFlag  # set() from any thread: the prompt stops before its next prefill chunk
+Cancelled = _core.Cancelled    # what a stream whose CancelFlag was set raises (a RuntimeError)
 from .checkpoint import Checkpoint, Qwen36Config, read_checkpoint, resolve
 from .session import Session
 from .tokenizer import Tokenizer
@@ -116,6 +119,7 @@ class _Request:
     tools: list | None
     session: Session | None
     chunk: int
+    cancel: object = None      # _core.CancelFlag checked before each prefill chunk
 
 
 class Engine:
@@ -269,7 +273,7 @@ class Engine:
                frequency_penalty: float | None = None, seed: int | None = None, stop=None,
                logprobs: bool = False, top_logprobs: int = 0, enable_thinking: bool | None = None,
                tools: list[dict] | None = None, session: Session | None = None, chunk_size: int | None = None,
-               chat_template_kwargs: dict | None = None) -> Iterator[Delta]:
+               chat_template_kwargs: dict | None = None, cancel: CancelFlag | None = None) -> Iterator[Delta]:
         """Generates and yields Deltas as tokens are decoded (see generate() for `prompt`).
 
         Sampling (defaults: generation_config.json): temperature (0 = greedy), top_p, top_k (0 = off), min_p,
@@ -279,13 +283,16 @@ class Engine:
         chat template. session: continue a Session, feeding only the tokens after its longest cached prefix.
 
         Everything is checked before any work (a prompt beyond the context limit raises ContextLimitError).
-        Closing the iterator early (break, close()) or an error leaves the session as it was before."""
+        Closing the iterator early (break, close()) or an error leaves the session as it was before. cancel: a
+        lily.CancelFlag another thread may set() to stop the prompt between two prefill chunks (a long prompt
+        is otherwise one uninterruptible call); the iterator then raises lily.Cancelled."""
         req = self._prepare(prompt, max_tokens, dict(temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty), seed, stop, logprobs, top_logprobs,
                             enable_thinking, tools, session, chunk_size, chat_template_kwargs or {})
         self._check_idle()
         holder: dict = {}
+        req.cancel = cancel
         gen = self._run(req, holder)
         holder["gen"] = self._active = gen
         return gen
@@ -351,7 +358,7 @@ class Engine:
             if sess is None:
                 core, cached = self._core.new_session(), 0
                 gen = self._core.generation(core, np.asarray(ids, np.int32), req.max_tokens, req.stop_ids,
-                                            req.params, req.chunk)
+                                            req.params, req.chunk, cancel=req.cancel)
             else:
                 plan = sess._plan(ids)
                 core, cached, first = plan.core, plan.cached, plan.first_logits
@@ -361,11 +368,11 @@ class Engine:
                     # next turn's prompt diverges at the earliest) and at the end of the prompt (with its logits).
                     pos = cached
                     if pos < req.boundary < len(ids):
-                        self._core.feed(core, np.asarray(ids[pos:req.boundary], np.int32), req.chunk)
+                        self._core.feed(core, np.asarray(ids[pos:req.boundary], np.int32), req.chunk, req.cancel)
                         plan.added.append(snap := sess._snapshot_of(core, "boundary"))
                         sess._add(snap)
                         pos = req.boundary
-                    first = self._core.feed(core, np.asarray(ids[pos:], np.int32), req.chunk)[0]
+                    first = self._core.feed(core, np.asarray(ids[pos:], np.int32), req.chunk, req.cancel)[0]
                     plan.added.append(snap := sess._snapshot_of(core, "prompt", first))
                     sess._add(snap)
                 gen = self._core.generation(core, empty, req.max_tokens, req.stop_ids, req.params, req.chunk,

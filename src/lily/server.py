@@ -40,8 +40,8 @@ is not guaranteed to parse (check it). tool_choice "required" or a named functio
 the start of the XML call (`<tool_call>\\n<function=`) after an empty thinking block: thinking is off for those
 requests, and a call the model then writes malformed comes back as content. tool_choice "none" leaves the tools
 out of the prompt. The `model` field is not checked: the server serves one model and answers with its name.
-A prompt's prefill runs as one engine call, so a cancel during it takes effect when it ends (then before the first
-decode step). Logprob `bytes` are the UTF-8 of each token's text (a token that ends inside a character shows
+A disconnect during a prompt's prefill takes effect before its next chunk (the engine checks the request's
+CancelFlag between chunks). Logprob `bytes` are the UTF-8 of each token's text (a token that ends inside a character shows
 U+FFFD). Serve one app per Engine: the engine runs one request at a time.
 """
 import argparse
@@ -54,11 +54,12 @@ import logging
 import math
 import os
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .engine import CancelFlag, Cancelled
 
 if TYPE_CHECKING:
     from .engine import Delta, Engine
@@ -336,7 +337,7 @@ class _Run:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()       # read by the engine thread between tokens
+        self.cancel = CancelFlag()            # read by the engine between prefill chunks and between tokens
         self.disconnected = asyncio.Event()
         self.future: asyncio.Future | None = None
         self.locked = False
@@ -587,7 +588,7 @@ class LilyServer:
                 return
             session, run.cached = self.cache.checkout(plan.ids)
             try:
-                gen = self.engine.stream(plan.prompt, session=session, **plan.kwargs)
+                gen = self.engine.stream(plan.prompt, session=session, cancel=run.cancel, **plan.kwargs)
             except (ValueError, TypeError, IndexError) as e:  # lily.ContextLimitError is a ValueError
                 run.emit("error", APIError(400, str(e)))
                 return
@@ -597,6 +598,8 @@ class LilyServer:
                 run.emit("delta", d)
                 if run.cancel.is_set():
                     break
+        except Cancelled:  # the client went away during the prompt: the stream restored the session
+            pass
         except Exception as e:  # noqa: BLE001 -- the request fails, the server goes on
             log.exception("generation failed")
             run.emit("error", e)
