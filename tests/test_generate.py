@@ -93,6 +93,13 @@ def test_chat_messages_use_the_template_and_split_reasoning(engine):
     assert c.reasoning and c.text == "" and c.message["role"] == "assistant"
     off = engine.generate(MSGS, max_tokens=16, temperature=0, enable_thinking=False)
     assert off.reasoning == "" and off.text
+    # rendered once up front (what the server does): the same prompt, tokens and split
+    cp = engine.chat_prompt(MSGS, enable_thinking=False)
+    assert cp.text == engine.tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=False,
+                                                           enable_thinking=False)
+    assert cp.ids == engine.tokenizer.encode(cp.text) and 0 < cp.boundary < len(cp.ids) and not cp.in_reasoning
+    again = engine.generate(cp, max_tokens=16, temperature=0)
+    assert (again.token_ids, again.text, again.usage.prompt_tokens) == (off.token_ids, off.text, off.usage.prompt_tokens)
 
 
 def test_context_limit_is_an_error_before_any_work():

@@ -107,6 +107,17 @@ class Completion:
 
 
 @dataclass
+class ChatPrompt:
+    """Chat messages rendered by the checkpoint's template (Engine.chat_prompt), ready to pass as a prompt: the
+    text, its token ids, where the conversation ends and the generation prompt begins (the session snapshot
+    point; 0 when the template does not split that way), and whether the prompt opens a reasoning block."""
+    text: str
+    ids: list[int]
+    boundary: int
+    in_reasoning: bool
+
+
+@dataclass
 class _Request:
     ids: list[int]
     boundary: int              # tokens of the conversation without the generation prompt (0: none)
@@ -297,6 +308,25 @@ class Engine:
         holder["gen"] = self._active = gen
         return gen
 
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    enable_thinking: bool | None = None, **template_kwargs) -> ChatPrompt:
+        """Renders chat messages with the checkpoint's template (Hugging Face semantics) and tokenises them once;
+        generate() / stream() take the result as their prompt (a server validates and counts it first)."""
+        from .chat import prompt_opens_reasoning
+        kw = dict(template_kwargs)
+        if enable_thinking is not None:
+            kw["enable_thinking"] = enable_thinking
+        tok = self.tokenizer
+        text = tok.apply_chat_template(messages, tools, add_generation_prompt=True, tokenize=False, **kw)
+        ids = tok.encode(text)
+        head = tok.apply_chat_template(messages, tools, add_generation_prompt=False, tokenize=False, **kw)
+        boundary = 0
+        if text.startswith(head) and len(head) < len(text):
+            hid = tok.encode(head)
+            if hid == ids[:len(hid)]:
+                boundary = len(hid)
+        return ChatPrompt(text, ids, boundary, prompt_opens_reasoning(text))
+
     def _prepare(self, prompt, max_tokens, sampling, seed, stop, logprobs, top_logprobs, enable_thinking, tools,
                  session, chunk_size, template_kwargs) -> _Request:
         from .chat import prompt_opens_reasoning
@@ -323,18 +353,13 @@ class Engine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             in_reasoning = chat = prompt_opens_reasoning(prompt)
-        elif len(prompt) and isinstance(prompt[0], dict):
-            kw = dict(template_kwargs)
-            if enable_thinking is not None:
-                kw["enable_thinking"] = enable_thinking
-            text = self.tokenizer.apply_chat_template(prompt, tools, add_generation_prompt=True, tokenize=False, **kw)
-            ids = self.tokenizer.encode(text)
-            head = self.tokenizer.apply_chat_template(prompt, tools, add_generation_prompt=False, tokenize=False, **kw)
-            if text.startswith(head) and len(head) < len(text):
-                hid = self.tokenizer.encode(head)
-                if hid == ids[:len(hid)]:
-                    boundary = len(hid)
-            chat, in_reasoning = True, prompt_opens_reasoning(text)
+        elif isinstance(prompt, ChatPrompt) or (len(prompt) and isinstance(prompt[0], dict)):
+            if not isinstance(prompt, ChatPrompt):
+                kw = dict(template_kwargs)
+                if enable_thinking is not None:
+                    kw["enable_thinking"] = enable_thinking
+                prompt = self.chat_prompt(prompt, tools, **kw)
+            ids, boundary, chat, in_reasoning = prompt.ids, prompt.boundary, True, prompt.in_reasoning
         else:
             ids = prompt
         ids = [int(t) for t in _as_ids(ids, self.config.vocab_size)]

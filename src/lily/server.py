@@ -487,16 +487,15 @@ class LilyServer:
             messages = _with_system_instruction(messages, JSON_OBJECT_INSTRUCTION)
         if thinking is not None:
             kw["enable_thinking"] = thinking
-        try:
-            text = tok.apply_chat_template(messages, tools, add_generation_prompt=True, tokenize=False, **kw)
+        try:  # rendered once: these ids are what the engine runs
+            chat = self.engine.chat_prompt(messages, tools, **kw)
         except Exception as e:  # jinja2 TemplateError (raise_exception in the template), TypeError, ValueError
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         if forced:
-            ids = tok.encode(text + forced)
+            ids = tok.encode(chat.text + forced)
             prompt = ids
         else:
-            ids = tok.encode(text)
-            prompt = messages
+            ids, prompt = chat.ids, chat
         if not ids:
             raise APIError(400, "the prompt is empty", param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -504,7 +503,7 @@ class LilyServer:
         kwargs = self._sampling(req, max_tokens, ids, logprobs=bool(req.logprobs), top_logprobs=top,
                                 prompt_param="messages")
         if not forced:
-            kwargs.update(tools=tools, chat_template_kwargs=kw or None)
+            kwargs.update(tools=tools)  # for parsing the calls: the template already ran
         so = req.stream_options
         return _Plan("chat", prompt, ids, kwargs, bool(req.stream), bool(so and so.include_usage), forced, tools,
                      bool(req.logprobs))
