@@ -113,10 +113,10 @@ def host_token(s, p, logits, counter):
     return s.sample(logits).token
 
 
-def run_and_compare(rng, p, logits, seen, counts, counters, order):
+def run_and_compare(rng, p, logits, seen, counts, counters, order, max_threads=1024):
     """Runs the kernel on every row; asserts tokens, seen / counts, logits. Returns the justified mismatches."""
     N, V = logits.shape
-    r = kernels.sample(logits, seen, counts, counters, p, order=order, seed=order + 1)
+    r = kernels.sample(logits, seen, counts, counters, p, order=order, seed=order + 1, max_threads=max_threads)
     np.testing.assert_array_equal(r["logits"].view(np.uint32), logits.view(np.uint32))
     assert r["counters"]["dispatches"] == N
     mismatches = 0
@@ -158,6 +158,26 @@ def test_matches_host_sampler(case, order, rng):
         mismatches += run_and_compare(rng, p, logits, seen, counts, counters, order)
         total += N
     assert mismatches <= 1, f"{mismatches} of {total} tokens differ from the host"
+
+
+@pytest.mark.parametrize("max_threads", [256, 96])
+def test_fewer_threads_where_the_device_allows_fewer(max_threads, rng):
+    """A Metal pipeline may allow fewer than 1024 threads (register pressure): encode_sample then dispatches the
+    whole simdgroups allowed, and the kernel, striding by its size, picks the same tokens."""
+    V = 3001
+    for case in ("penalties_filters", "top_p0.9", "greedy_penalties"):
+        logits = random_rows(rng, 4, V)
+        seen, counts = random_history(rng, 4, V)
+        p = params(seed=int(rng.integers(1 << 63)), **CASES[case])
+        counters = rng.integers(0, 6, size=4).astype(np.uint64)
+        assert run_and_compare(rng, p, logits, seen, counts, counters, 2, max_threads=max_threads) <= 1
+
+
+def test_a_device_without_one_simdgroup_is_refused(rng):
+    logits = random_rows(rng, 1, 100)
+    seen, counts = random_history(rng, 1, 100)
+    with pytest.raises(ValueError, match="less than one simdgroup"):
+        kernels.sample(logits, seen, counts, np.zeros(1, np.uint64), params(temperature=1.0), max_threads=16)
 
 
 @pytest.mark.parametrize("order", ORDERS)

@@ -52,8 +52,9 @@ GemmPath gemm_path(const std::string& name) {
   throw std::invalid_argument("[kernels] path: 'auto', 'simdgroup' or 'tensor', got '" + name + "'");
 }
 
-KernelRun::KernelRun(int order, uint64_t seed, int workers, bool count_bytes, int tensor_ops) {
+KernelRun::KernelRun(int order, uint64_t seed, int workers, bool count_bytes, int tensor_ops, uint32_t max_threads) {
   EmuOptions o;
+  o.max_threads = max_threads;
   o.tensor_ops = tensor_ops;
   o.order = order;
   o.seed = seed;

@@ -42,8 +42,9 @@ using NumpyArray = nanobind::ndarray<nanobind::numpy, T>;
 
 class KernelRun {
  public:
-  // tensor_ops: the EmuDevice's has_tensor_ops (EmuOptions; -1 = its default).
-  explicit KernelRun(int order = 0, uint64_t seed = 0, int workers = 0, bool count_bytes = true, int tensor_ops = -1);
+  // tensor_ops: the EmuDevice's has_tensor_ops (EmuOptions; -1 = its default); max_threads: EmuOptions::max_threads.
+  explicit KernelRun(int order = 0, uint64_t seed = 0, int workers = 0, bool count_bytes = true, int tensor_ops = -1,
+                     uint32_t max_threads = 1024);
   Device& device() { return *device_; }
 
   // A device buffer holding a copy of `a` (bf16 travels as uint16).

@@ -14,7 +14,8 @@ void init_kernels_sample(nb::module_& k) {
   k.def(
       "sample",
       [](const HostArray<float>& logits, const HostArray<uint8_t>& seen, const HostArray<int32_t>& counts,
-         const HostArray<uint64_t>& counters, const lily::SamplingParams& params, int order, uint64_t seed) {
+         const HostArray<uint64_t>& counters, const lily::SamplingParams& params, int order, uint64_t seed,
+         uint32_t max_threads) {
         if (logits.ndim() != 2 || seen.ndim() != 2 || counts.ndim() != 2 || counters.ndim() != 1)
           throw std::invalid_argument("[sample] logits, seen, counts must be [N, V] and counters [N]");
         const size_t N = logits.shape(0), V = logits.shape(1);
@@ -22,7 +23,7 @@ void init_kernels_sample(nb::module_& k) {
             counters.shape(0) != N)
           throw std::invalid_argument("[sample] shapes differ: logits [" + std::to_string(N) + ", " +
                                       std::to_string(V) + "]");
-        KernelRun run(order, seed);
+        KernelRun run(order, seed, 0, true, -1, max_threads);
         Buffer* l = run.upload(logits, Role::activations, "logits");
         Buffer* s = run.upload(seen, Role::state, "seen");
         Buffer* c = run.upload(counts, Role::state, "counts");
@@ -42,7 +43,7 @@ void init_kernels_sample(nb::module_& k) {
         return d;
       },
       nb::arg("logits"), nb::arg("seen"), nb::arg("counts"), nb::arg("counters"), nb::arg("params"),
-      nb::arg("order") = 0, nb::arg("seed") = 0,
+      nb::arg("order") = 0, nb::arg("seed") = 0, nb::arg("max_threads") = 1024,
       "Row r: token of logits f32 [N, V] row r sampled with params (Philox counter counters[r]), recorded into "
       "seen uint8 [N, V] and counts int32 [N, V] row r. Returns {'tokens', 'seen', 'counts', 'logits', "
       "'counters'}.");

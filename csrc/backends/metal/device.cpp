@@ -152,6 +152,11 @@ void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const v
     if (writes)
       for (const Range& r : stage_reads_) hazard = hazard || overlaps(r.buffer, r.begin, r.end, b.buffer, begin, end);
   }
+  const uint64_t n = uint64_t(threads.x) * threads.y * threads.z, limit = max_threads(kernel);
+  if (n > limit)
+    throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": " + std::to_string(n) +
+                                " threads per threadgroup, the device allows " + std::to_string(limit) +
+                                " for this kernel");
   if (hazard) barrier();
   for (const Binding& b : list) {
     const Range r{b.buffer, b.offset, b.bytes ? b.offset + b.bytes : b.buffer->size};
@@ -162,6 +167,8 @@ void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const v
   ++per_kernel_[size_t(kernel)];
   do_dispatch(kernel, threadgroups, threads, args, args_size, list, threadgroup_bytes);
 }
+
+uint32_t Encoder::max_threads(KernelId) const { return 1024; }
 
 void Encoder::barrier() {
   // A barrier with nothing recorded before it in the stage orders nothing: it is dropped, so the stage

@@ -100,6 +100,10 @@ class Encoder {
     dispatch(kernel, threadgroups, threads, &args, sizeof(Args), bindings, threadgroup_bytes);
   }
   void barrier();  // explicit barrier (rarely needed: dependencies are tracked)
+  // The most threads a threadgroup of `kernel` may have: Metal's 1024 unless the device says less (a pipeline
+  // whose register use lowers its maxTotalThreadsPerThreadgroup; EmuOptions::max_threads). dispatch() refuses
+  // more; encoders of kernels that adapt to fewer threads (sample_token) size their threadgroups by it.
+  virtual uint32_t max_threads(KernelId kernel) const;
   uint64_t dispatches() const { return dispatches_; }
   bool tensor_ops = false;  // the device's has_tensor_ops(), set by its command buffer (encoders pick kernels)
   uint64_t barriers() const { return barriers_; }
@@ -166,6 +170,7 @@ struct EmuOptions {
   // has_tensor_ops(): -1 = $LILY_METAL_EMU_TENSOR_OPS (unset or "0": no), 0 no, 1 yes (the library is built at
   // MSL 4.0, so both matrix paths exist; tests run each).
   int tensor_ops = -1;
+  uint32_t max_threads = 1024;  // Encoder::max_threads of every kernel (tests lower it, as a heavy pipeline would)
 };
 std::unique_ptr<Device> make_emu_device(const std::string& library, const EmuOptions& options);
 #ifdef __APPLE__

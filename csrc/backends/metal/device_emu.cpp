@@ -111,6 +111,8 @@ class EmuDevice;
 class EmuEncoder final : public Encoder {
  public:
   std::vector<std::vector<Recorded>> stages{1};
+  uint32_t limit = 1024;  // EmuOptions::max_threads
+  uint32_t max_threads(KernelId) const override { return limit; }
 
  protected:
   void do_dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
@@ -182,6 +184,7 @@ class EmuDevice final : public Device {
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(*this); }
   bool has_bf16() const override { return true; }
   bool has_tensor_ops() const override { return options_.tensor_ops > 0; }  // EmuOptions: both paths are emulated
+  uint32_t max_threads_option() const { return options_.max_threads; }
   void execute(EmuEncoder& enc) {
     Counters c = enc.recorded();
     for (auto& stage : enc.stages) {
@@ -254,7 +257,10 @@ class EmuDevice final : public Device {
   uint64_t shuffles_ = 0, launches_ = 0;
 };
 
-EmuCommandBuffer::EmuCommandBuffer(EmuDevice& dev) : dev_(dev) { encoder_.tensor_ops = dev.has_tensor_ops(); }
+EmuCommandBuffer::EmuCommandBuffer(EmuDevice& dev) : dev_(dev) {
+  encoder_.tensor_ops = dev.has_tensor_ops();
+  encoder_.limit = dev.max_threads_option();
+}
 
 void EmuCommandBuffer::commit() {
   if (committed_) throw std::logic_error("[metal-emu] command buffer committed twice");

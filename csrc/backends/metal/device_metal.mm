@@ -56,6 +56,9 @@ class MetalEncoder final : public Encoder {
                    const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) override;
   void do_barrier() override { [enc_ memoryBarrierWithScope:MTLBarrierScopeBuffers]; }
 
+ public:
+  uint32_t max_threads(KernelId kernel) const override;
+
  private:
   MetalDevice& dev_;
   id<MTLComputeCommandEncoder> enc_;
@@ -229,6 +232,10 @@ void MetalEncoder::do_dispatch(KernelId kernel, Grid threadgroups, Grid threads,
   if (threadgroup_bytes) [enc_ setThreadgroupMemoryLength:NSUInteger((threadgroup_bytes + 15u) & ~15u) atIndex:0];
   [enc_ dispatchThreadgroups:MTLSizeMake(threadgroups.x, threadgroups.y, threadgroups.z)
        threadsPerThreadgroup:MTLSizeMake(threads.x, threads.y, threads.z)];
+}
+
+uint32_t MetalEncoder::max_threads(KernelId kernel) const {
+  return uint32_t(dev_.pipeline(kernel).maxTotalThreadsPerThreadgroup);
 }
 
 void MetalCommandBuffer::commit() {

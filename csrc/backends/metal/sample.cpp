@@ -1,6 +1,7 @@
 // The sample family's encoder (metal/sample.metal): token selection with penalties, temperature, top-k,
 // top-p, min-p and the request's Philox draw, on the device. Previous hop: the Metal backend glue (and
 // csrc/bindings/kernels_sample.cpp in tests); next hop: Encoder::dispatch.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -33,7 +34,11 @@ void encode_sample(Encoder& enc, View logits, int vocab, const SampleArgs& args,
   const uint64_t V = uint64_t(vocab);
   // One threadgroup: the selection is a chain of threadgroup-wide decisions (max, digit bins, the CDF
   // crossing) that would each need a dispatch if split over threadgroups.
-  enc.dispatch(KernelId::sample_token, Grid{1, 1, 1}, Grid{uint32_t(LILY_SAMPLE_THREADS), 1, 1}, args,
+  // LILY_SAMPLE_THREADS, or fewer whole simdgroups where the device allows fewer (the kernel strides by its size).
+  const uint32_t threads = std::min<uint32_t>(LILY_SAMPLE_THREADS, enc.max_threads(KernelId::sample_token)) /
+                           LILY_SIMD_WIDTH * LILY_SIMD_WIDTH;
+  if (threads == 0) throw std::invalid_argument("[sample] the device allows less than one simdgroup for sample_token");
+  enc.dispatch(KernelId::sample_token, Grid{1, 1, 1}, Grid{threads, 1, 1}, args,
                {{LILY_SAMPLE_LOGITS, logits.buffer, logits.offset, Access::read, V * 4},
                 {LILY_SAMPLE_SEEN, seen.buffer, seen.offset, Access::read_write, V},
                 {LILY_SAMPLE_COUNTS, counts.buffer, counts.offset, Access::read_write, V * 4},
