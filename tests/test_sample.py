@@ -135,10 +135,13 @@ def run_and_compare(rng, p, logits, seen, counts, counters, order, max_threads=1
             continue
         assert p.temperature > 0, f"greedy: device {t}, host {h}"
         # Only a draw within rounding of a CDF step may differ: u vs the host's cumulative through the lower token.
+        # The device's cumulative is an fp32 sum over up to V terms (the host's is double): its error grows like
+        # sqrt(V) ulps (measured 1.9e-5 at V = 248,320 with top_p 0.9, where ~10^5 tokens survive).
         cdf = np.cumsum(probs)
         u = u_host(p.seed, int(counters[i]))
+        tol = max(1e-5, 4 * np.sqrt(V) * 2.0 ** -24)
         assert probs[t] > 0, f"row {i}: device token {t} is filtered out on the host"
-        assert abs(cdf[min(t, h)] - u) < 1e-5, f"row {i}: device {t} host {h}, u {u}, cdf {cdf[min(t, h)]}"
+        assert abs(cdf[min(t, h)] - u) < tol, f"row {i}: device {t} host {h}, u {u}, cdf {cdf[min(t, h)]}"
         mismatches += 1
     return mismatches
 
