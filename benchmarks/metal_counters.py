@@ -14,7 +14,7 @@ Extrapolation to the whole model (--layers 4 = one 3 GDN + 1 attention pattern o
 decode step's per-step overhead (embed, the final norm + lm_head, the on-device argmax of a generation step) is
 known from the schedule; the rest is one pattern, ×10. --ablations repeats the decode counters with each
 MetalOptions switch off (csrc/backends/metal/metal_backend.h), side by side. --memory lists the device memory
-the engine allocates for temporaries (activations and scratch, logits rows, per-chunk token ids) per prefill
+the engine allocates for temporaries (activations and scratch, logits rows, the ring of token-id buffers) per prefill
 chunk size: what bounds a prompt's peak temporary memory (the KV cache and GDN state belong to sessions).
 
 Minimum decode bytes: every weight byte the token needs, once (each dense matrix, the router, the k selected
@@ -83,13 +83,13 @@ def decode_counters(src: Path, layers: int, chunk: int, options: dict) -> tuple:
 def temporaries(src: Path, layers: int, chunks: list) -> dict:
     """Device bytes by role an engine allocates for prefill chunks of each size, before any session: the
     activations (a chunk's intermediates and the families' scratch, shared by every layer, so the cut's figure
-    is the whole model's) and io (the two logits rows; token ids are allocated per chunk on top)."""
+    is the whole model's) and io (the two logits rows, the token ids of the chunks in flight)."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         ck = read_checkpoint(truncated_model(src, layers, Path(tmp)))
         for chunk in chunks:
             m = lily.Engine(ck, backend="metal-emu", prefill_chunk=chunk, count_bytes=False).memory()["live"]
-            out[chunk] = {"activations": m["activations"], "io": m["io"] + 3 * chunk * 4}
+            out[chunk] = {"activations": m["activations"], "io": m["io"]}
     return out
 
 

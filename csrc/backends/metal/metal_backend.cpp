@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <array>
 #include <deque>
 #include <unordered_map>
 #include <vector>
@@ -36,6 +37,7 @@ struct MetalState final : State {
   std::vector<std::shared_ptr<Buffer>> k, v, conv[2], rec[2];
   int cur = 0;
   bool undoable = false;  // the last command buffer on this state was a decode step rollback() may undo
+  bool undo_flips = false;  // ... and it wrote the other GDN copies
   // KV growth recorded by reserve() and encoded at the head of the next command buffer: copy the rows
   // [0, rows) of every KV head from `from` (capacity from_cap) into `to` (the new buffer, already in k / v).
   struct Growth { std::shared_ptr<Buffer> from; Buffer* to; int64_t from_cap, to_cap, rows; };
@@ -98,7 +100,8 @@ class MetalBackendImpl final : public MetalBackend {
     route_ids_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.ids");
     route_w_ = dev_->alloc(uint64_t(rows_) * c_.top_k * 4, Role::activations, "moe.weights");
     route_ids_host_ = dev_->alloc(uint64_t(c_.top_k) * 4, Role::io, "moe.ids_host");
-    for (auto& slot : tokens_) slot = dev_->alloc(uint64_t(rows_) * 4, Role::io, "tokens");
+    for (auto& slot : tokens_) slot = dev_->alloc(4, Role::io, "token");
+    for (auto& ids : host_ids_) ids = dev_->alloc(uint64_t(rows_) * 4, Role::io, "tokens.host");
     // Family scratch, sized by the first layer of each kind (every layer of a kind has one geometry).
     moe_scratch_ = make_moe_scratch(*dev_, moe_[0], rows_);
     for (int i = 0; i < L; ++i) {
@@ -299,6 +302,7 @@ class MetalBackendImpl final : public MetalBackend {
     if (s_) {
       if (gdn_written_) s_->cur ^= 1;
       s_->undoable = decode_;
+      s_->undo_flips = gdn_written_;
     }
     const Phase p = decode_ ? Phase::decode : Phase::prefill;
     inflight_.back().phase = p;
@@ -316,7 +320,7 @@ class MetalBackendImpl final : public MetalBackend {
     auto& s = static_cast<MetalState&>(st);
     if (!s.undoable || s.pos < 1) throw std::logic_error("[metal] rollback(): the state's last step was not a decode step");
     if (cb_) throw std::logic_error("[metal] rollback() while a command buffer is being recorded");
-    s.cur ^= 1;  // every decode step runs the GDN layers, so it flipped the copies
+    if (s.undo_flips) s.cur ^= 1;
     s.pos -= 1;
     s.undoable = false;
     slot_ ^= 1;  // its input slot is the next step's again
@@ -335,28 +339,27 @@ class MetalBackendImpl final : public MetalBackend {
 
   // ---------------------------------------------------------------- ops
 
-  // Prompt tokens travel in a buffer of their own command buffer: a shared one could still be read by a
-  // chunk in flight when the CPU writes the next chunk's ids.
+  // Prompt tokens travel in a ring of kMaxInFlight + 1 buffers, one per command buffer: the CPU writes the
+  // recording one's ids while those in flight may still read theirs.
   void embed(const int32_t* tokens, int T) override {
     check_rows(T, "embed");
     for (int t = 0; t < T; ++t)
       if (tokens[t] < 0 || tokens[t] >= c_.vocab)
         throw std::out_of_range("[embed] token id " + std::to_string(tokens[t]) + " outside the vocabulary [0, " +
                                 std::to_string(c_.vocab) + ")");
-    auto ids = dev_->alloc(uint64_t(T) * 4, Role::io, "tokens.host");
+    Buffer* ids = host_ids_[(committed_ + 1) % host_ids_.size()].get();
     std::memcpy(ids->contents(), tokens, size_t(T) * 4);
-    encode_embed(enc(), embed_, {ids.get()}, view(Act::x), T);
-    retired_recording_.push_back(std::move(ids));
+    encode_embed(enc(), embed_, {ids}, view(Act::x), T);
   }
 
   // Selection writes token slot slot_ ^ 1, which the next step's begin() makes its input. A step's token and
   // logits row stay readable until the step after next records (read_token comes before that).
   void select_begin(const Sampler& sampler) override {
-    finish();  // an earlier generation's last step may still read or write the tables
     params_ = sampler.params();
     draws_ = sampler.draws();
     plain_greedy_ = params_.greedy() && !params_.penalised();
     if (plain_greedy_) return;
+    finish();  // an earlier generation's last step may still read or write the tables
     if (!seen_) {
       seen_ = dev_->alloc(uint64_t(c_.vocab), Role::io, "sample.seen");
       counts_ = dev_->alloc(uint64_t(c_.vocab) * 4, Role::io, "sample.counts");
@@ -659,6 +662,7 @@ class MetalBackendImpl final : public MetalBackend {
   // Token selection: two slots (a step's input and the token it selects), each with its logits row; the
   // device sampler's penalty tables (seen u8 [V], counts i32 [V]) and the generation's parameters.
   std::shared_ptr<Buffer> tokens_[2], row_logits_[2], seen_, counts_;
+  std::array<std::shared_ptr<Buffer>, kMaxInFlight + 1> host_ids_;  // prompt / host token ids, by command buffer
   SamplingParams params_;
   uint64_t draws_ = 0;
   bool plain_greedy_ = true;
