@@ -12,6 +12,9 @@ Fixtures (all model fixtures are session-scoped; builds are lazy and cached on d
   logits: ``hf_*`` kinds via :func:`tinymodels.hf_logits`, ``mlx_*`` via
   :func:`tinymodels.mlx_logits`; returns ``(prefill [T, V], decode [S, V])`` float32 (treat as
   read-only, they are shared)
+* ``gpu_backend``                        -- the GPU backend the backend-generic tests run on: ``metal-emu``
+  (the MSL emulator, everywhere), or ``$LILY_TEST_BACKEND`` (``metal`` on a Mac, ``cuda`` on an NVIDIA
+  GPU); skips with the reason when that backend is not built or has no device
 * ``rng``                                -- ``np.random.Generator`` with a fresh seed per test;
   the seed is printed and attached to the failure report; set ``LILY_TEST_SEED`` to replay.
 """
@@ -58,6 +61,22 @@ def rng(request):
     request.node._lily_rng_seed = seed
     print(f"rng seed: LILY_TEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+GPU_BACKEND = os.environ.get("LILY_TEST_BACKEND", "metal-emu")
+
+
+@pytest.fixture(scope="session")
+def gpu_backend():
+    """The one place a test learns which GPU backend it runs: every test that would hard-code "metal-emu"
+    takes this instead, so the README's test command on a Mac (LILY_TEST_BACKEND=metal) or on an NVIDIA
+    machine (LILY_TEST_BACKEND=cuda) runs the same assertions on real hardware."""
+    import lily
+
+    reason = lily.backend_unavailable(GPU_BACKEND)
+    if reason:
+        pytest.skip(f"backend {GPU_BACKEND!r}: {reason}")
+    return GPU_BACKEND
 
 
 @pytest.fixture(scope="session")

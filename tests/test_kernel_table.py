@@ -33,7 +33,7 @@ def def_rows():
         if re.match(r"\s*// ---- end", line):
             block = None
             continue
-        m = re.match(r"\s*LILY_KERNEL\(\s*(\w+)\s*,\s*(\w+)\s*\)", line)
+        m = re.match(r"\s*LILY_KERNEL\(\s*(\w+)\s*,\s*(\w+)\s*,\s*(simd|tensor)\s*\)", line)
         if m:
             rows.append((block, m.group(1), m.group(2)))
     return rows

@@ -11,6 +11,7 @@ Next hop: the C++ engine (csrc/bindings/engine.cpp -> csrc/core/engine.cpp), whi
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,19 @@ from .session import Session
 from .tokenizer import Tokenizer
 
 BACKENDS = ("reference", "metal-emu", "metal")
+
+
+def backend_unavailable(backend: str) -> str | None:
+    """Why `backend` cannot run on this machine, in one line, or None when it can."""
+    if backend not in BACKENDS:
+        return f"unknown backend (available: {', '.join(BACKENDS)})"
+    if backend == "metal-emu" and not _core.kernels.available():
+        return (f"the emulated kernel library ({_core.kernels.emu_library_path()}) is not built: the build needs "
+                "clang++ >= 17 and boost.context (Debian: apt install clang-19 libclang-rt-19-dev "
+                "libboost-context-dev), then pip install . again")
+    if backend == "metal" and sys.platform != "darwin":
+        return "needs macOS on Apple silicon (metal-emu runs the same kernels in the emulator)"
+    return None
 
 
 class ContextLimitError(ValueError):

@@ -192,9 +192,6 @@ class MetalDevice final : public Device {
     return false;
   }
 
-  // A kernels.def row that only MSL 4.0 builds (the tensor-op variants): absent, and not needed, without them.
-  static bool needs_tensor_ops(const char* name) { return std::strstr(name, "_tensor_") != nullptr; }
-
   // Every embedded .metal file becomes one library, once; then every kernels.def name must be found.
   void compile_libraries() {
     if (compiled_) return;
@@ -208,7 +205,7 @@ class MetalDevice final : public Device {
     }
     std::string missing;
     for (size_t i = 0; i < size_t(KernelId::count); ++i)
-      if (!functions_.count(kernel_name(KernelId(i))) && (tensor_ || !needs_tensor_ops(kernel_name(KernelId(i))))) missing += std::string(missing.empty() ? "" : ", ") + kernel_name(KernelId(i));
+      if (!functions_.count(kernel_name(KernelId(i))) && (tensor_ || !kernel_needs_tensor_ops(KernelId(i)))) missing += std::string(missing.empty() ? "" : ", ") + kernel_name(KernelId(i));
     if (!missing.empty()) throw std::runtime_error("[metal] kernels of metal/kernels.def missing from the compiled sources: " + missing);
     compiled_ = true;
   }

@@ -11,12 +11,14 @@ namespace {
 struct Row {
   const char* family;
   const char* name;
+  bool tensor_ops;
 };
+constexpr bool requires_tensor(const char* r) { return r[0] == 't'; }  // "tensor" or "simd"
 constexpr Row kRows[] = {
-#define LILY_KERNEL(family, name) {#family, #name},
+#define LILY_KERNEL(family, name, requires) {#family, #name, requires_tensor(#requires)},
 #include "kernels.def"
 #undef LILY_KERNEL
-    {"", ""}  // sentinel: keeps the array non-empty while kernels.def has no rows
+    {"", "", false}  // sentinel: keeps the array non-empty while kernels.def has no rows
 };
 static_assert(sizeof(kRows) / sizeof(kRows[0]) == size_t(KernelId::count) + 1);
 }  // namespace
@@ -28,5 +30,7 @@ const char* kernel_name(KernelId id) {
 const char* kernel_family(KernelId id) {
   return size_t(id) < size_t(KernelId::count) ? kRows[size_t(id)].family : "<invalid kernel id>";
 }
+
+bool kernel_needs_tensor_ops(KernelId id) { return size_t(id) < size_t(KernelId::count) && kRows[size_t(id)].tensor_ops; }
 
 }  // namespace lily::metal

@@ -6,7 +6,7 @@
 namespace lily::metal {
 
 enum class KernelId : uint16_t {
-#define LILY_KERNEL(family, name) name,
+#define LILY_KERNEL(family, name, requires) name,
 #include "kernels.def"
 #undef LILY_KERNEL
   count
@@ -14,5 +14,7 @@ enum class KernelId : uint16_t {
 
 const char* kernel_name(KernelId id);
 const char* kernel_family(KernelId id);
+// The row's `requires` is tensor: the kernel exists only in an MSL 4.0 build on a device with tensor ops.
+bool kernel_needs_tensor_ops(KernelId id);
 
 }  // namespace lily::metal
