@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernel_table.h"
+#include "libraries.h"
 
 namespace lily::metal {
 
@@ -131,6 +132,15 @@ class CommandBuffer {
   virtual void wait() = 0;         // block until complete (a CPU wait)
 };
 
+// What a device is and can do, for `lily doctor` and error messages; 0 / "" where a device has no such notion.
+struct DeviceFacts {
+  std::string name, gpu, gpu_family, msl_version, os;
+  bool bf16 = false, tensor_ops = false;
+  uint64_t working_set = 0;  // recommendedMaxWorkingSetSize: what the GPU may keep resident without paging
+  uint64_t max_buffer = 0;   // maxBufferLength
+  uint64_t wired_limit = 0;  // sysctl iogpu.wired_limit_mb (0: the macOS default)
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -148,6 +158,12 @@ class Device {
   virtual std::unique_ptr<CommandBuffer> command_buffer() = 0;
   virtual bool has_bf16() const = 0;
   virtual bool has_tensor_ops() const = 0;  // Metal 4 matmul2d (M5 Neural Accelerators)
+  virtual DeviceFacts facts() const = 0;
+  // Compiles every kernel library and builds every pipeline (libraries.h): what `lily doctor` reports.
+  virtual std::vector<LibraryStatus> build_libraries() = 0;
+  // Called before the weights are mapped with what the model will hold (the KV cache at `context` tokens):
+  // MetalDevice compares it with the GPU's working-set limit and says what will happen and the remedy.
+  virtual void plan_memory(uint64_t /*weight_bytes*/, uint64_t /*kv_bytes*/, uint64_t /*context*/) {}
 
  protected:
   void count(const Counters& c);

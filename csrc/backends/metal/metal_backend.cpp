@@ -61,6 +61,11 @@ class MetalBackendImpl final : public MetalBackend {
     // kernel reads weights through metal/quant.h, which assumes 1-byte alignment (byte loads assembled in
     // registers). If a Mac measurement shows the byte loads cost decode bandwidth, the cheaper fix is at
     // conversion time (`lily convert` padding tensors to 16 bytes) plus an aligned variant, not a load-time copy.
+    uint64_t weight_bytes = 0, kv_row_bytes = 0;  // what the GPU will hold: weights, KV bytes per position
+    for (const auto& f : m.files()) weight_bytes += f->size();
+    for (int i = 0; i < c_.layers; ++i)
+      if (c_.is_attention(i)) kv_row_bytes += 2ull * c_.n_kv * c_.head_dim * 2;
+    dev_->plan_memory(weight_bytes, kv_row_bytes * uint64_t(c_.max_position), uint64_t(c_.max_position));
     for (const auto& f : m.files()) files_.push_back(dev_->wrap(f->data(), f->size(), Role::weights, f->path()));
     embed_ = matrix(m.embed);
     lm_head_ = matrix(m.lm_head);
