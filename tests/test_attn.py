@@ -16,8 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import attn as R  # noqa: E402
 
 kernels = pytest.importorskip("lily._core").kernels
-if not kernels.available():
-    pytest.skip("the emulated kernel library (lily/_metal_emu.so) is not built", allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 ORDERS = {"forward": 0, "reverse": 1, "random": 2}
 THETA, EPS = 1e4, 1e-6

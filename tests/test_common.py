@@ -9,7 +9,7 @@ from reference import common as ref
 from reference.dense import bf16_float, random_matrix
 
 kernels = pytest.importorskip("lily._core").kernels
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 ORDERS = [0, 1, 2]  # forward, reverse, random
 

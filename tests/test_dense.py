@@ -16,7 +16,7 @@ import pytest
 from reference import dense as ref
 
 kernels = pytest.importorskip("lily._core").kernels
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 PAGE = 4096
 

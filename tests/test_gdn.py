@@ -14,8 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import gdn as ref  # noqa: E402
 
 kernels = pytest.importorskip("lily._core").kernels
-if not hasattr(kernels, "gdn_run"):
-    pytest.skip("lily._core built without the gdn entry point", allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 PAGE = 4096
 EPS = 1e-6

@@ -18,7 +18,7 @@ from reference import dense as dref
 from reference import moe as ref
 
 kernels = pytest.importorskip("lily._core").kernels
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 PAGE = 4096
 BITS = {"q4": 4, "q8": 8, "bf16": 0}
