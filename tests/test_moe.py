@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from lily.kernel_reference import common as cref
 from lily.kernel_reference import dense as dref
 from lily.kernel_reference import moe as ref
 
@@ -319,3 +320,29 @@ def test_schedules_agree_bitwise():
     outs = [call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, order=o, seed=o + 3)["x"] for o in (0, 1, 2)]
     for o in outs[1:]:
         np.testing.assert_array_equal(outs[0], o)
+
+
+# The production decode path: the norm, router logits and shared gate logit in one proj_norm dispatch, then the
+# gate/up GEMV that recomputes the top-k from those logits (moe_gemv_gate_up_topk_*), down + combine.
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("fmt,k", [("q4", 8), ("q8", 4), ("bf16", 2)])
+def test_decode_norm_topk(fmt, k, order):
+    H, E, I, Is = 256, 16, 128, 64
+    mats, f = make_layer(41 + k, H, E, I, Is, fmt=fmt)
+    rng = np.random.default_rng(k + 7 * order)
+    x = (rng.standard_normal((1, H)) * 2 + 0.1).astype(np.float32)
+    norm_w = (1 + 0.3 * rng.standard_normal(H)).astype(np.float32)
+    r = kernels.moe_decode_norm(mats, E, k, H, I, Is, x[0], norm_w, 1e-6, order=order, seed=order + 1)
+    np.testing.assert_allclose(dref.bf16_float(r["xn"]), cref.rmsnorm(x, norm_w, 1e-6), rtol=2.0**-8, atol=1e-30)
+    # The router logits of the kernel's xn (fp32 accumulation in another order than NumPy's fp64).
+    logits = ref.router_logits(r["xn"], f["R"])
+    np.testing.assert_allclose(r["logits"], logits, rtol=1e-5, atol=1e-5 * np.abs(logits).max())
+    # The top-k the fused GEMV recomputed: the reference's on the kernel's own logits, ids exact.
+    ids, w = ref.route(r["logits"], k)
+    np.testing.assert_array_equal(np.sort(r["ids"], axis=1), np.sort(ids, axis=1))
+    order_ids = np.argsort(r["ids"][0])
+    np.testing.assert_allclose(r["weights"][0][order_ids], w[0][np.argsort(ids[0])], rtol=1e-6, atol=1e-7)
+    check_close(r["x"], ref.moe(r["xn"], x, ids, w, f, round_weights=False), rel=1e-3)
+    kernel_names = set(r["counters"]["kernels"])
+    assert any(n.startswith("moe_gemv_gate_up_topk_") for n in kernel_names), kernel_names
+    assert any(n.startswith("proj_norm_") for n in kernel_names), kernel_names
