@@ -8,23 +8,11 @@ import pytest
 from lily import _core
 from lily.kernel_reference import common as cref
 from lily.kernel_reference import dense as dref
+from lily.kernel_reference.dense import norm_project_case as case
 
 kernels = _core.kernels
 pytestmark = pytest.mark.usefixtures("kernel_device")
 EPS = 1e-6
-
-
-def case(seed, H, specs):
-    """x f32 [H] (not unit scale), norm weights around 1, and (bits, rows) matrices with their f32 values."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(H) * 3 + 0.25).astype(np.float32)
-    w = (1 + 0.3 * rng.standard_normal(H)).astype(np.float32)
-    mats, dense = [], []
-    for bits, rows in specs:
-        codes, s, b, W = dref.random_matrix(rng, rows, H, bits)
-        mats.append((bits, rows, codes, s, b))
-        dense.append(W)
-    return x, w, mats, dense
 
 
 @pytest.mark.parametrize("order", [0, 1, 2])

@@ -69,6 +69,21 @@ def case_dense(seed: int) -> float:
     return worst
 
 
+def case_proj(seed: int) -> float:
+    from .kernel_reference import common as cref
+    from .kernel_reference import dense as ref
+
+    x, w, mats, dense = ref.norm_project_case(seed, 320, [(4, 40), (8, 17), (0, 9)])
+    r = kernels.norm_project(x, w, 1e-6, mats)
+    np.testing.assert_allclose(ref.bf16_float(r["xn"][None]), cref.rmsnorm(x[None], w, 1e-6), rtol=2.0**-8, atol=1e-30)
+    worst = 0.0
+    for got, W in zip(r["out"], dense):
+        want = ref.project(W, r["xn"][None], 0)
+        ref.check({"out": got[None]}, want, 0)
+        worst = max(worst, _rel(ref.bf16_float(got[None]), want))
+    return worst
+
+
 def case_moe(seed: int) -> float:
     from .kernel_reference import moe as ref
 
@@ -109,11 +124,11 @@ def case_attn(seed: int) -> float:
     return worst
 
 
-# family -> (what its case runs, the case). The proj family (decode's fused norm + projections) has no
-# kernel-level case yet: the end-to-end row covers it.
+# family -> (what its case runs, the case).
 CASES: dict[str, tuple[str, Callable[[int], float]]] = {
     "common": ("embed q4, rmsnorm, argmax", case_common),
     "dense": ("qgemv q4, qgemm q8 / bf16", case_dense),
+    "proj": ("norm + q4 / q8 / bf16 projections", case_proj),
     "moe": ("q4 decode (k=4) and 5-row prefill", case_moe),
     "gdn": ("5-row prefill, a decode step", case_gdn),
     "attn": ("prepare + prefill, decode", case_attn),

@@ -109,3 +109,17 @@ def check(r, want, mode):
     assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
     assert np.all(err <= tol), f"max err {err.max()} at {np.unravel_index(np.argmax(err - tol), err.shape)}"
     return float((err / np.maximum(tol, 1e-30)).max())  # the worst error in units of its tolerance
+
+
+def norm_project_case(seed, H, specs):
+    """The proj family's case (tests/test_proj.py, lily doctor): x f32 [H] (not unit scale), norm weights
+    around 1, and (bits, rows) matrices as kernels.norm_project takes them, with their f32 values."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(H) * 3 + 0.25).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(H)).astype(np.float32)
+    mats, dense = [], []
+    for bits, rows in specs:
+        codes, s, b, W = random_matrix(rng, rows, H, bits)
+        mats.append((bits, rows, codes, s, b))
+        dense.append(W)
+    return x, w, mats, dense
