@@ -4,6 +4,8 @@ each row's function defined (as a template where the row has template arguments)
 instantiates it, no host name written anywhere else in metal/, and the same set of names as the emulated
 library at MSL 4.0 (tensor rows absent at 3.1; tests/test_metal_device.py checks creation)."""
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,16 +124,29 @@ def test_host_names_written_only_in_kernels_def():
                     f"{f}: host name {name} written outside kernels.def"
 
 
+def checked_names(path, version, include=None):
+    """The host names `lower.py check` (Apple's rules included) finds in one .metal file."""
+    cmd = [sys.executable, str(ROOT / "csrc" / "mslemu" / "lower.py"), "check", str(path), "--metal-version",
+           str(version)] + (["-I", str(include)] if include else [])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return set(re.search(r"kernels: (.*)\)$", r.stdout.strip()).group(1).split(", "))
+
+
 @pytest.mark.parametrize("version", [310, 400])
 def test_compiled_names_per_msl_version(version):
-    import subprocess
-    import sys
     names = set()
     for f in sorted((ROOT / "metal").glob("*.metal")):
-        r = subprocess.run([sys.executable, str(ROOT / "csrc" / "mslemu" / "lower.py"), "check", str(f), "-I",
-                            str(ROOT / "metal"), "--metal-version", str(version)], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        names |= set(re.search(r"kernels: (.*)\)$", r.stdout.strip()).group(1).split(", "))
-    rows = def_rows(full=True)
-    want = {n for _, _, n, req, _, _ in rows if version >= 400 or req == "simd"}
+        names |= checked_names(f, version, ROOT / "metal")
+    want = {n for _, _, n, req, _, _ in def_rows(full=True) if version >= 400 or req == "simd"}
     assert names == want
+
+
+@pytest.mark.parametrize("version", [310, 400])
+def test_embedded_units_instantiate_the_same_kernels(version, tmp_path):
+    # device_metal.mm compiles metal_translation_unit(file): the embedded sources with instantiate.h and
+    # kernels.def inlined. Checked here without include paths, it must yield the kernels of the file on disk.
+    for f in sorted((ROOT / "metal").glob("*.metal")):
+        unit = tmp_path / f.name
+        unit.write_text(kernels.metal_translation_unit(f.name))
+        assert checked_names(unit, version) == checked_names(f, version, ROOT / "metal"), f.name
