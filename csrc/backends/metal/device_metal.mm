@@ -108,6 +108,7 @@ class MetalEncoder final : public Encoder {
     [enc_ endEncoding];
   }
   uint32_t max_threads(KernelId kernel) const override;
+  uint32_t static_threadgroup_bytes(KernelId kernel) const override;
 
  protected:
   void do_dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
@@ -397,6 +398,10 @@ void MetalEncoder::do_dispatch(KernelId kernel, Grid threadgroups, Grid threads,
 
 uint32_t MetalEncoder::max_threads(KernelId kernel) const {
   return uint32_t(dev_.pipeline(kernel).maxTotalThreadsPerThreadgroup);
+}
+
+uint32_t MetalEncoder::static_threadgroup_bytes(KernelId kernel) const {
+  return uint32_t(dev_.pipeline(kernel).staticThreadgroupMemoryLength);
 }
 
 void MetalCommandBuffer::commit() {

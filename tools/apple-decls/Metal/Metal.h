@@ -59,6 +59,7 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion) {
 // MTLComputePipeline.h
 @protocol MTLComputePipelineState <NSObject>
 @property (readonly) NSUInteger maxTotalThreadsPerThreadgroup;
+@property (readonly) NSUInteger staticThreadgroupMemoryLength;
 @end
 
 // MTLCommandEncoder.h
