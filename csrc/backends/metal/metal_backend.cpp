@@ -278,11 +278,13 @@ class MetalBackendImpl final : public MetalBackend {
 
   // ---------------------------------------------------------------- submission
 
-  void begin() override {
+  void begin(Phase phase, const Fusions& fusions) override {
     if (cb_) throw std::logic_error("[metal] begin() while a command buffer is being recorded");
     cb_ = dev_->command_buffer();
     enc_ = &cb_->encoder();
-    decode_ = gdn_written_ = false;
+    phase_ = phase;
+    fusions_ = fusions;
+    gdn_written_ = topk_pending_ = false;
     // The other token slot: the one the previous step selected into is this step's input.
     slot_ ^= 1;
     if (s_) encode_growth(*enc_, *s_);
@@ -290,6 +292,7 @@ class MetalBackendImpl final : public MetalBackend {
 
   void commit() override {
     if (!cb_) throw std::logic_error("[metal] commit() without begin()");
+    if (topk_pending_) throw std::logic_error("[metal] moe_norm_route's top-k was left to a moe_decode that never ran");
     // At most kMaxInFlight command buffers queued (the pipelined decode needs two): a long prompt's chunks
     // would otherwise all be queued at once, each holding its ids and retired buffers.
     if (inflight_.size() >= kMaxInFlight) wait_until(inflight_.front().seq);
@@ -299,12 +302,12 @@ class MetalBackendImpl final : public MetalBackend {
     for (auto& u : unread_)
       if (!u.seq) u.seq = committed_;
     enc_ = nullptr;
+    const Phase p = phase_;
     if (s_) {
       if (gdn_written_) s_->cur ^= 1;
-      s_->undoable = decode_;
+      s_->undoable = p == Phase::decode;
       s_->undo_flips = gdn_written_;
     }
-    const Phase p = decode_ ? Phase::decode : Phase::prefill;
     inflight_.back().phase = p;
     last_[int(p)] = since_last_account();
     last_[int(p)].cpu_waits_in_step = in_step_waits_;
@@ -403,13 +406,13 @@ class MetalBackendImpl final : public MetalBackend {
     if (accumulate && !f32) throw std::invalid_argument("[metal] accumulate into bf16 " + std::string(act_name(out)));
     const DeviceMatrix* src = &matrix_of(W);
     DeviceMatrix M = *src;
-    if (T == 1) decode_matrices(&src, 1, &M);
+    decode_matrices(&src, 1, &M);
     encode_project(enc(), M, view(in), view(out), T, f32 ? (accumulate ? OutMode::f32_add : OutMode::f32) : OutMode::bf16);
   }
 
-  void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps, int T) override {
-    if (T != 1 || !opt_.fuse_norm_project || !proj_fits() || in != Act::x || ps.size() > size_t(LILY_PROJ_MAX_MATRICES))
-      return Backend::norm_project(in, w, ps, T);
+  void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps) override {
+    if (!proj_fits() || in != Act::x || ps.size() > size_t(LILY_PROJ_MAX_MATRICES))
+      return Backend::norm_project(in, w, ps);
     const DeviceMatrix* src[LILY_PROJ_MAX_MATRICES];
     DeviceMatrix m[LILY_PROJ_MAX_MATRICES];
     ProjTarget t[LILY_PROJ_MAX_MATRICES];
@@ -423,27 +426,24 @@ class MetalBackendImpl final : public MetalBackend {
     encode_norm_project(enc(), view(Act::x), vec_of(w), c_.rms_eps, c_.hidden, t, n, false);
   }
 
-  void moe_norm_route(int layer, const Vec& w, int T) override {
-    if (T != 1 || !opt_.fuse_route || !opt_.gpu_routing || !proj_fits()) return Backend::moe_norm_route(layer, w, T);
+  // Without gpu_routing the CPU reads the top-k ids before the experts: it stays a separate dispatch.
+  void moe_norm_route(int layer, const Vec& w) override {
+    if (!opt_.gpu_routing || !proj_fits()) return Backend::moe_norm_route(layer, w);
     encode_moe_route_norm(enc(), *moe_scratch_, moe_[layer], view(Act::x), vec_of(w), c_.rms_eps, view(Act::xn));
     topk_pending_ = true;
   }
 
   void attn_prepare_decode(int layer, int64_t pos) override {
-    if (!opt_.fuse_attn_prepare) return Backend::attn_prepare_decode(layer, pos);
-    decode_ = true;
     encode_attn_decode(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), pos, {s_->k[layer].get()},
                        {s_->v[layer].get()}, s_->capacity, view(Act::mix), AttnDecodePath(opt_.attn_path), 0,
                        opt_.gqa_pack ? 0 : 1, AttnPrepareInputs{view(Act::k), view(Act::v)});
   }
 
-  void gdn_prefill(int layer, int T) override {
+  void gdn_scan(int layer, int T) override {
     encode_gdn_prefill(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
                        view(Act::alpha), T, gdn_states(layer), view(Act::mix));
   }
-  void gdn_decode(int layer) override {
-    decode_ = true;
-    if (!opt_.fuse_gdn_step) return gdn_prefill(layer, 1);
+  void gdn_step(int layer) override {
     encode_gdn_decode(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
                       view(Act::alpha), gdn_states(layer), view(Act::mix));
   }
@@ -457,7 +457,6 @@ class MetalBackendImpl final : public MetalBackend {
                         {s_->v[layer].get()}, s_->capacity, view(Act::mix), opt_.gqa_pack ? 0 : 1);
   }
   void attn_decode(int layer, int64_t pos) override {
-    decode_ = true;
     encode_attn_decode(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), pos, {s_->k[layer].get()},
                        {s_->v[layer].get()}, s_->capacity, view(Act::mix), AttnDecodePath(opt_.attn_path), 0,
                        opt_.gqa_pack ? 0 : 1);
@@ -467,11 +466,11 @@ class MetalBackendImpl final : public MetalBackend {
     encode_moe_route(enc(), *moe_scratch_, moe_[layer], view(Act::xn), T, {route_ids_.get()}, {route_w_.get()});
   }
   void moe_prefill(int layer, int T) override {
+    if (topk_pending_) throw std::logic_error("[metal] moe_prefill after moe_norm_route, whose routes only moe_decode completes");
     encode_moe_prefill(enc(), *moe_scratch_, moe_[layer], view(Act::xn), {route_ids_.get()}, {route_w_.get()}, T,
                        view(Act::x), opt_.moe_tile_rows);
   }
   void moe_decode(int layer) override {
-    decode_ = true;
     View ids{route_ids_.get()};
     if (!opt_.gpu_routing) {
       // The CPU-wait ablation: submit what was recorded (through the top-k), wait, read the expert ids and
@@ -485,34 +484,22 @@ class MetalBackendImpl final : public MetalBackend {
       ids = {route_ids_host_.get()};
     }
     encode_moe_decode(enc(), *moe_scratch_, moe_[layer], view(Act::xn), ids, {route_w_.get()}, view(Act::x),
-                      {.topk = topk_pending_, .swiglu = opt_.fuse_expert_swiglu, .combine = opt_.fuse_expert_combine});
+                      {.topk = topk_pending_, .swiglu = fusions_.expert_swiglu, .combine = fusions_.expert_combine});
     topk_pending_ = false;
   }
 
-  // One row (a decode step, a prompt's last row) goes to the logits row of the token slot the step selects
-  // into, so a pipelined step's row stays readable while the next step writes the other one.
   void lm_head(int first, int rows) override {
-    check_rows(rows, "lm_head");
-    if (rows == 1) {
-      last_logits_ = row_logits_[slot_ ^ 1].get();
-    } else {
-      if (rows > logit_capacity_) grow_logits(rows);
-      last_logits_ = act_[int(Act::logits)].get();
-    }
-    logit_rows_ = rows;
-    const View logits{last_logits_, 0};
-    const DeviceMatrix* src = &lm_head_;
-    DeviceMatrix head = lm_head_;
-    if (rows == 1) decode_matrices(&src, 1, &head);
-    if (rows == 1 && opt_.fuse_norm_project && proj_fits()) {
-      const ProjTarget t{&head, logits};
-      encode_norm_project(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, c_.rms_eps, c_.hidden, &t, 1,
-                          true);
-      return;
-    }
+    const View logits = logits_rows(rows);
+    DeviceMatrix head = lm_head_matrix();
     encode_rmsnorm(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, view(Act::xn), rows, c_.hidden,
                    c_.rms_eps);
     encode_project(enc(), head, view(Act::xn), logits, rows, OutMode::f32);
+  }
+  void norm_lm_head(int row) override {
+    if (!proj_fits()) return lm_head(row, 1);
+    const DeviceMatrix head = lm_head_matrix();
+    const ProjTarget t{&head, logits_rows(1)};
+    encode_norm_project(enc(), view(Act::x).at(uint64_t(row) * c_.hidden * 4), norm_, c_.rms_eps, c_.hidden, &t, 1, true);
   }
 
  private:
@@ -568,10 +555,30 @@ class MetalBackendImpl final : public MetalBackend {
     return b;
   }
 
-  // ---- the fuse_dequant ablation
-  // Bytes of W's bf16 copy in the dequant scratch (256-byte aligned), 0 when decode reads W as it is.
+  // Where lm_head's `rows` rows go: one row (a decode step, a prompt's last row) to the logits row of the token
+  // slot the step selects into, so a pipelined step's row stays readable while the next step writes the other.
+  View logits_rows(int rows) {
+    check_rows(rows, "lm_head");
+    if (rows == 1) {
+      last_logits_ = row_logits_[slot_ ^ 1].get();
+    } else {
+      if (rows > logit_capacity_) grow_logits(rows);
+      last_logits_ = act_[int(Act::logits)].get();
+    }
+    logit_rows_ = rows;
+    return {last_logits_, 0};
+  }
+  DeviceMatrix lm_head_matrix() {
+    const DeviceMatrix* src = &lm_head_;
+    DeviceMatrix head = lm_head_;
+    decode_matrices(&src, 1, &head);
+    return head;
+  }
+
+  // ---- the dequant ablation (Fusions::dequant off, decode only)
+  // Bytes of W's bf16 copy in the dequant scratch (256-byte aligned), 0 when the GEMV reads W as it is.
   uint64_t dequant_bytes(const DeviceMatrix& W) const {
-    if (opt_.fuse_dequant || W.format == LILY_W_BF16) return 0;
+    if (phase_ != Phase::decode || fusions_.dequant || W.format == LILY_W_BF16) return 0;
     return (uint64_t(W.rows) * W.cols * 2 + 255) / 256 * 256;
   }
   // The n matrices one decode dispatch reads: each W itself, or (fuse_dequant off) its bf16 copy, dequantised
@@ -692,7 +699,9 @@ class MetalBackendImpl final : public MetalBackend {
   MetalState* s_ = nullptr;
   std::unique_ptr<CommandBuffer> cb_;
   Encoder* enc_ = nullptr;
-  bool decode_ = false, gdn_written_ = false;
+  Phase phase_ = Phase::prefill;  // of the chunk or step being recorded (begin())
+  Fusions fusions_;               // ... and its in-op fusions
+  bool gdn_written_ = false;
   Counters prev_, last_[2], total_[2];
 };
 
