@@ -241,7 +241,7 @@ void init_engine(nb::module_& m) {
             // {"prefill": {"last": ..., "total": ...}, "decode": {...}}: what the device spent on the last
             // prefill chunk / decode step, and on all of them (metal backends only; {} otherwise).
             nb::dict d;
-            auto* mb = dynamic_cast<metal::MetalBackend*>(&e.backend());
+            auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
             if (!mb) return d;
             for (auto [name, phase] : {std::pair{"prefill", Phase::prefill}, std::pair{"decode", Phase::decode}}) {
               nb::dict p;
@@ -258,9 +258,9 @@ void init_engine(nb::module_& m) {
             // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total"}: device memory the
             // backend allocated (mapped weight files not included); metal backends only ({} otherwise).
             nb::dict d;
-            auto* mb = dynamic_cast<metal::MetalBackend*>(&e.backend());
+            auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
             if (!mb) return d;
-            const metal::Memory m = mb->device().memory();
+            const gpu::Memory m = mb->device().memory();
             nb::dict live, peak;
             for (int r = 0; r < int(metal::Role::count); ++r) {
               live[metal::role_name(metal::Role(r))] = m.live[r];
