@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import tinymodels as tm
+from test_metal_model import engine as cached_engine, run, stats
 
 lily = pytest.importorskip("lily")
 
@@ -22,27 +23,9 @@ PROMPT, DECODE = 15, 3
 # (chunk rows, rows of the last chunk)
 CHUNKS = [(7, 1), (13, 2), (8, 7)]
 
-_ENGINES: dict = {}
-
 
 def engine(backend, **kw):
-    key = (backend, tuple(sorted(kw.items())))
-    if key not in _ENGINES:
-        if backend != "reference":
-            kw.setdefault("count_bytes", False)
-        _ENGINES[key] = lily.Engine.from_pretrained(tm.get_model(GEOM, KIND), backend=backend, **kw)
-    return _ENGINES[key]
-
-
-def run(e, prompt, decode_ids):
-    """(prompt logits [T, V], logits of one decode step per token [S, V]) on a fresh session."""
-    s = e.new_session()
-    pre = e.logits(prompt, s)
-    return pre, np.concatenate([e.logits([t], s) for t in decode_ids])
-
-
-def stats(got, want):
-    return tm.mean_kl(want, got), float(tm.rel_err_per_position(got, want).mean())
+    return cached_engine(GEOM, KIND, backend, **kw)
 
 
 @pytest.fixture(scope="module")
