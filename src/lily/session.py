@@ -13,6 +13,15 @@ each answer ended. Regenerating the last answer, editing an earlier message or s
 snapshot with the longest token history that is a prefix of the new prompt. Snapshots are bounded by a memory
 budget and evicted least recently used. Snapshots are never modified: a request resumes on a copy.
 
+Chat turns are matched as generated (GeneratedTurns, one per engine): when an answer ends, the engine renders the
+conversation with that answer appended and remembers that this text stands for the ids the request ran (the
+prompt, the generated ids, and the template's closing markup). The next prompt that starts with that text is
+tokenised as those ids, so the live state is a prefix of it however the text would re-tokenise: with
+`preserve_thinking` (earlier answers keep their reasoning) every turn prefills only the new messages. Where the
+template normalises what the model wrote (whitespace around the reasoning, a thinking block closed after a
+length cut) the rendered answer is still the message parsed from those ids; an edited message renders other
+text and falls back to the nearest snapshot.
+
 A request that fails or is cancelled (a stream closed early) leaves the session exactly as it was before the
 request began: the live state it would have changed is restored from a copy taken when the request started.
 
@@ -29,6 +38,7 @@ import json
 import os
 import struct
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -282,6 +292,76 @@ class Session:
                                             int(engine._core.state_bytes(core)), logits, s._tick()))
         s._evict()
         return s
+
+
+# ---------------------------------------------------------------------------------------------- generated turns
+
+class GeneratedTurns:
+    """Rendered conversations through a generated answer -> the token ids the model ran for them (see the module
+    docstring); the most recent `capacity` turns, least recently used dropped first."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._ids: OrderedDict[tuple[int, bytes], list[int]] = OrderedDict()  # (chars, sha256 of text) -> ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @staticmethod
+    def _key(text: str) -> tuple[int, bytes]:
+        return len(text), hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def add(self, text: str, ids: list[int]) -> None:
+        key = self._key(text)
+        self._ids[key] = [int(t) for t in ids]
+        self._ids.move_to_end(key)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def longest(self, text: str) -> tuple[int, list[int]]:
+        """The longest remembered conversation that `text` starts with: (its length in characters, its ids), or
+        (0, []) when none."""
+        for n in sorted({n for n, _ in self._ids if n <= len(text)}, reverse=True):
+            key = self._key(text[:n])
+            if key in self._ids:
+                self._ids.move_to_end(key)
+                return n, self._ids[key]
+        return 0, []
+
+    def encode(self, tokenizer, text: str) -> list[int]:
+        """`text` tokenised with its remembered head as generated and the rest by the tokenizer."""
+        n, head = self.longest(text)
+        return head + (tokenizer.encode(text[n:]) if n < len(text) else [])
+
+
+def answer_ids(tokenizer, answer: str, generated: list[int], stop_ids, ended_in_reasoning: bool) -> list[int] | None:
+    """The ids that stand for `answer` (an assistant turn as the chat template renders it, from the text after the
+    prompt to the end of the turn's markup) given the ids the model generated for it: `generated`, then the markup
+    the template writes after them. None when `answer` is not a rendering of what was generated.
+
+    The generated text is a prefix of the answer when the template wrote it back unchanged; otherwise the template
+    normalised it (whitespace next to the reasoning), and the markup that follows is the end of the turn after a
+    stop id, or the closing of the thinking block and the turn after a length cut."""
+    from .chat import THINK_END
+    text = tokenizer.decode(generated)
+    if answer.startswith(text):
+        rest = answer[len(text):]
+    elif generated and generated[-1] in stop_ids:
+        # the stop id stands for the end-of-turn marker; what follows it is the template's
+        marker = tokenizer.decode(generated[-1:])
+        i = answer.rfind(marker)
+        if i < 0:
+            return None
+        rest = answer[i + len(marker):]
+    else:
+        markup = answer.rfind("\n" + THINK_END) if ended_in_reasoning else -1
+        ends = [tokenizer.decode([t]) for t in stop_ids]
+        end = max(answer.rfind(e) for e in ends) if ends else -1
+        i = markup if markup >= 0 else end
+        if i < 0:
+            return None
+        rest = answer[i:]
+    return list(generated) + (tokenizer.encode(rest) if rest else [])
 
 
 # ---------------------------------------------------------------------------------------------- helpers
