@@ -26,7 +26,7 @@ from . import _core
 
 CancelFlag = _core.CancelFlag  # set() from any thread: the prompt stops before its next prefill chunk
 Cancelled = _core.Cancelled    # what a stream whose CancelFlag was set raises (a RuntimeError)
-from .checkpoint import Checkpoint, Qwen36Config, read_checkpoint, resolve
+from .checkpoint import Checkpoint, CheckpointError, Qwen36Config, read_checkpoint, resolve
 from .session import GeneratedTurns, Session, answer_ids
 from .tokenizer import Tokenizer
 
@@ -43,6 +43,40 @@ def backend_unavailable(backend: str) -> str | None:
                 "libboost-context-dev), then pip install . again")
     if backend == "metal" and sys.platform != "darwin":
         return "needs macOS on Apple silicon (metal-emu runs the same kernels in the emulator)"
+    return None
+
+
+# A thread of the reference backend per this many bytes of weights: the decode step of a small model is many
+# short operations, where waking a second thread costs more than it saves (synthetic:tiny, 1.5 MB, decodes faster
+# on one thread; see docs/performance.md "Threads").
+WEIGHT_BYTES_PER_THREAD = 16 << 20
+
+
+def default_threads(checkpoint: Checkpoint) -> int:
+    """Threads of the reference backend when none are asked for: one per WEIGHT_BYTES_PER_THREAD of weights, at
+    least one and at most the CPUs this process may run on."""
+    weights = sum(os.path.getsize(f) for f in checkpoint.files)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, weights // WEIGHT_BYTES_PER_THREAD))
+
+
+def nonfinite_weight(checkpoint: Checkpoint) -> tuple[Path, str] | None:
+    """The first floating-point tensor of the checkpoint's files holding a NaN or an infinity: (file, tensor
+    name), or None. Reads every float tensor: run only once something went wrong."""
+    exponent = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
+    for path in checkpoint.files:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        for name, meta in header.items():
+            if name == "__metadata__" or meta.get("dtype") not in exponent:
+                continue
+            dtype, mask = exponent[meta["dtype"]]
+            b, e = meta["data_offsets"]
+            bits = data[b:e].view(dtype)
+            if np.any((bits & mask) == mask):
+                return Path(path), name
     return None
 
 
@@ -181,6 +215,9 @@ class Engine:
             raise ValueError(f"max_context must be in [1, {limit}] (the model's max_position_embeddings), got {max_context}")
         self.max_context = max_context or limit
         self._model = checkpoint.core_model()
+        if threads == 0 and backend == "reference":
+            threads = default_threads(checkpoint)
+        self.threads = threads
         # metal-emu runs the .metal kernels in the emulator built next to this package (lily/_metal_emu.so).
         library = str(Path(__file__).parent / "_metal_emu.so") if backend == "metal-emu" else ""
         # count_bytes=False (metal-emu) skips the emulator's byte counting, several times faster: the
@@ -524,18 +561,22 @@ class Engine:
             plan = None
             self._active = None  # committed: the next request may start while the caller reads the last delta
             yield final
-        except BaseException:
+        except BaseException as err:
             if gen is not None:
                 gen.close()
             if plan is not None:
                 if before is not None:
                     sess._count(plan.core, before)
                 sess._rollback(plan)
+            # the sampler sees the symptom; the weights hold the cause
+            if isinstance(err, RuntimeError) and "every logit is -inf or NaN" in str(err) and \
+                    (bad := nonfinite_weight(self.checkpoint)):
+                raise CheckpointError(f"{bad[0]}: tensor {bad[1]} holds NaN or Inf values (the model cannot "
+                                      "produce a token)") from None
             raise
         finally:
             if self._active is holder.get("gen"):
                 self._active = None
-
 
     def _remember_turn(self, req: _Request, generated: list[int], message: dict) -> None:
         """Remembers the conversation through this answer, as the template renders it, as the ids that ran."""
