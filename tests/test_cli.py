@@ -88,3 +88,52 @@ def test_chat_ctrl_c_drops_the_message_and_keeps_the_session():
               if " prompt tokens, " in line]
     # two answers (hello, how are you?); the second reuses the first turn: the interrupted one left no trace
     assert len(stats) == 2 and stats[1][0] < 200 and cached[1] > 0, err
+
+
+def _poison(src: Path, dst: Path, tensor: str) -> None:
+    """A copy of the checkpoint `src` whose `tensor` (bf16) holds NaN at one random position."""
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    b, e = json.loads(raw[8:8 + n])[tensor]["data_offsets"]
+    at = 8 + n + b + 2 * int(np.random.default_rng(0).integers((e - b) // 2))
+    raw[at:at + 2] = (0x7FC0).to_bytes(2, "little")
+    f.write_bytes(bytes(raw))
+
+
+def test_weights_holding_nan_are_named_without_a_traceback(tmp_path):
+    from lily.synthetic import ensure_synthetic
+    _poison(ensure_synthetic("tiny"), tmp_path / "nan", "language_model.model.norm.weight")
+    p = lily_cli("generate", "--model", str(tmp_path / "nan"), "--max-tokens", "2", "Hello")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "Traceback" not in err
+    line = next(l for l in err.splitlines() if "error" in l)
+    assert line.startswith("lily generate: error: ") and "language_model.model.norm.weight" in line, err
+    assert "NaN or Inf" in line
+
+
+def test_an_unusable_backend_is_one_line_before_loading(monkeypatch, capsys):
+    from lily import cli, engine
+    monkeypatch.setattr(engine._core.kernels, "available", lambda: False)
+    assert cli.main(["generate", "--backend", "metal-emu", "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lily generate: error: backend metal-emu: the emulated kernel library") and \
+        "loading" not in err and err.count("\n") == 1
+
+
+def test_a_checkpoint_error_goes_on_its_own_line(tmp_path, capsys):
+    from lily import cli
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(["generate", "--model", str(tmp_path), "Hello"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("loading ") and err[1].startswith("lily generate: error: ") and len(err) == 2
+
+
+def test_convert_of_an_mlx_checkpoint_says_so_and_writes_nothing(tmp_path, capsys):
+    from lily import cli
+    from lily.synthetic import ensure_synthetic
+    out = tmp_path / "out"
+    assert cli.main(["convert", str(ensure_synthetic("tiny")), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already in the MLX layout" in err and "quantized" in err and not out.exists()
