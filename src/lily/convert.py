@@ -498,10 +498,10 @@ def convert_hf_to_mlx_q4(src_dir, out_dir, *, bits: int = 4, group_size: int = 6
     say = log or (lambda *a: None)
     src = Path(src_dir)
     out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists")
     _check_hf_layout(src)
     if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} already exists")
         shutil.rmtree(out)
     with open(src / "config.json") as f:
         config = json.load(f)
