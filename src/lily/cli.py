@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from .display import prefill_bar
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="synthetic:tiny",
@@ -52,27 +54,6 @@ def _load(args):
         raise
     print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return engine
-
-
-def prefill_bar(file=None, min_tokens: int = 1024):
-    """A progress callback for Engine.stream(progress=...) drawing a tqdm bar (tqdm.auto: a widget in Jupyter) of
-    the prompt's tokens, for prompts of at least `min_tokens` tokens; the bar disappears when the first token is
-    out."""
-    from tqdm.auto import tqdm
-    bar = None
-
-    def report(p) -> None:
-        nonlocal bar
-        if bar is None and p.done < p.total and p.total >= min_tokens:
-            bar = tqdm(total=p.total, unit="tok", desc="prompt", leave=False, file=file or sys.stderr,
-                       dynamic_ncols=True)
-        if bar is not None:
-            bar.update(p.done - bar.n)
-            bar.set_postfix_str(f"{p.tokens_per_s:.0f} tok/s", refresh=False)
-            if p.done >= p.total:
-                bar.close()
-
-    return report
 
 
 def _read_prompt(args) -> str:

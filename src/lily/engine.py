@@ -153,6 +153,32 @@ class Completion:
     def prompt_tokens(self) -> int:
         return self.usage.prompt_tokens
 
+    def _repr_html_(self) -> str:  # Jupyter: the answer, the reasoning folded, the usage
+        from .display import completion_html, usage_line
+        return completion_html(self.text, self.reasoning, self.tool_calls,
+                               usage_line(self.usage, self.timings, self.finish_reason))
+
+
+class Stream:
+    """What Engine.stream returns: an iterator of Deltas; close() stops it early and leaves the session as it was.
+    As the value of a notebook cell it shows the text as it is generated (lily.display.show_stream)."""
+
+    def __init__(self, deltas: Iterator[Delta]):
+        self._deltas = deltas
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+
+    def _ipython_display_(self) -> None:
+        from .display import show_stream
+        show_stream(self)
+
 
 @dataclass
 class ChatPrompt:
@@ -356,7 +382,7 @@ class Engine:
                logprobs: bool = False, top_logprobs: int = 0, enable_thinking: bool | None = None,
                tools: list[dict] | None = None, session: Session | None = None, chunk_size: int | None = None,
                chat_template_kwargs: dict | None = None, cancel: CancelFlag | None = None,
-               progress=None) -> Iterator[Delta]:
+               progress=None) -> Stream:
         """Generates and yields Deltas as tokens are decoded (see generate() for `prompt`).
 
         Sampling (defaults: generation_config.json): temperature (0 = greedy), top_p, top_k (0 = off), min_p,
@@ -382,7 +408,7 @@ class Engine:
         req.cancel, req.progress = cancel, progress
         gen = self._run(req, holder)
         holder["gen"] = self._active = gen
-        return gen
+        return Stream(gen)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, *,
                     enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
