@@ -48,7 +48,7 @@ def backend_unavailable(backend: str) -> str | None:
 
 # A thread of the reference backend per this many bytes of weights: the decode step of a small model is many
 # short operations, where waking a second thread costs more than it saves (synthetic:tiny, 1.5 MB, decodes faster
-# on one thread; see docs/performance.md "Threads").
+# on one thread; see docs/reuse.md "Threads").
 WEIGHT_BYTES_PER_THREAD = 16 << 20
 
 
