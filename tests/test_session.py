@@ -204,6 +204,9 @@ def test_preserve_thinking_prefills_only_the_new_messages(engine, thinking):
     # the prompts hold the answers as generated: each prompt starts with the previous prompt and its answer
     for (prev_cp, prev), (cp, _) in zip(outs, outs[1:]):
         assert cp.ids[:len(prev_cp.ids) + len(prev.token_ids)] == prev_cp.ids + prev.token_ids
+    # ... where tokenising the rendered text would not have given those ids (random answers: the template trims
+    # them, the tokenizer merges across their ends), which would have broken reuse
+    assert sum(engine.tokenizer.encode(cp.text) != cp.ids for cp, _ in outs[1:]) >= 3
     # and the live state is what a fresh prefill of those tokens gives
     f = s.fork()
     nxt = [int(engine.tokenizer.encode("\n")[0])]
@@ -231,3 +234,42 @@ def test_an_edited_answer_falls_back_to_the_snapshot_before_it(engine):
     # the text really differs inside the answer: the prompt snapshot before it is the nearest resume point
     assert c.usage.cached_tokens == len(last_cp.ids)
     assert c.token_ids == engine.generate(msgs, max_tokens=4, temperature=0, tools=TOOLS, **kw).token_ids
+
+
+def test_answer_ids_stand_for_the_rendered_answer(engine):
+    from lily.session import answer_ids
+    tok, stops = engine.tokenizer, list(engine.config.eos_token_id)
+    im_end = stops[0]
+    # generated in pieces the tokenizer would merge: the ids stay as generated, the markup after them is encoded
+    pieces = tok.encode("abcd") + tok.encode("ef")
+    assert pieces != tok.encode("abcdef")
+    assert answer_ids(tok, "abcdef<|im_end|>\n", pieces + [im_end], stops, False) == \
+        pieces + [im_end] + tok.encode("\n")
+    # the template trimmed what the model wrote: after a stop id, what follows the end-of-turn marker
+    spaced = tok.encode("  Hello  ")
+    assert answer_ids(tok, "Hello<|im_end|>\n", spaced + [im_end], stops, False) == \
+        spaced + [im_end] + tok.encode("\n")
+    # a length cut inside the reasoning: the template closes the thinking block and the turn
+    assert answer_ids(tok, "Hmm\n</think>\n\n<|im_end|>\n", tok.encode(" Hmm "), stops, True) == \
+        tok.encode(" Hmm ") + tok.encode("\n</think>\n\n<|im_end|>\n")
+    # a length cut inside the content: the template closes the turn
+    assert answer_ids(tok, "Hi<|im_end|>\n", tok.encode("Hi "), stops, False) == \
+        tok.encode("Hi ") + tok.encode("<|im_end|>\n")
+    assert answer_ids(tok, "no markup here", tok.encode("other"), stops, False) is None
+
+
+def test_generated_turns_longest_prefix_and_budget():
+    from lily.session import GeneratedTurns
+
+    class Tok:
+        @staticmethod
+        def encode(text):
+            return [ord(c) for c in text]
+
+    turns = GeneratedTurns(max_tokens=10)
+    turns.add("ab", [1, 2])
+    turns.add("abcd", [1, 2, 3])
+    assert turns.longest("abcdef") == (4, [1, 2, 3]) and turns.longest("abx") == (2, [1, 2])
+    assert turns.encode(Tok, "abcdz") == [1, 2, 3, ord("z")] and turns.encode(Tok, "x") == [ord("x")]
+    turns.add("q" * 6, list(range(6)))  # 11 ids > 10: the least recently used ("ab", then used by nothing) goes
+    assert len(turns) == 2 and turns.longest("abz") == (0, [])

@@ -298,11 +298,12 @@ class Session:
 
 class GeneratedTurns:
     """Rendered conversations through a generated answer -> the token ids the model ran for them (see the module
-    docstring); the most recent `capacity` turns, least recently used dropped first."""
+    docstring); at most `max_tokens` ids in all, least recently used dropped first."""
 
-    def __init__(self, capacity: int = 256):
-        self.capacity = capacity
-        self._ids: OrderedDict[tuple[int, bytes], list[int]] = OrderedDict()  # (chars, sha256 of text) -> ids
+    def __init__(self, max_tokens: int = 8 << 20):
+        self.max_tokens = max_tokens
+        self._ids: OrderedDict[tuple[int, bytes], np.ndarray] = OrderedDict()  # (chars, sha256 of text) -> int32
+        self._held = 0
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -311,12 +312,14 @@ class GeneratedTurns:
     def _key(text: str) -> tuple[int, bytes]:
         return len(text), hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
-    def add(self, text: str, ids: list[int]) -> None:
+    def add(self, text: str, ids) -> None:
         key = self._key(text)
-        self._ids[key] = [int(t) for t in ids]
-        self._ids.move_to_end(key)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        if key in self._ids:
+            self._held -= self._ids.pop(key).size
+        self._ids[key] = np.asarray(ids, dtype=np.int32)
+        self._held += self._ids[key].size
+        while self._held > self.max_tokens and len(self._ids) > 1:
+            self._held -= self._ids.popitem(last=False)[1].size
 
     def longest(self, text: str) -> tuple[int, list[int]]:
         """The longest remembered conversation that `text` starts with: (its length in characters, its ids), or
@@ -325,7 +328,7 @@ class GeneratedTurns:
             key = self._key(text[:n])
             if key in self._ids:
                 self._ids.move_to_end(key)
-                return n, self._ids[key]
+                return n, self._ids[key].tolist()
         return 0, []
 
     def encode(self, tokenizer, text: str) -> list[int]:
