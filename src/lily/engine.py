@@ -398,7 +398,7 @@ class Engine:
         lily.CancelFlag another thread may set() to stop the prompt between two prefill chunks (a long prompt
         is otherwise one uninterruptible call); the iterator then raises lily.Cancelled. Ctrl-C
         (KeyboardInterrupt) also takes effect between two chunks. progress: called with a PrefillProgress after
-        every prefill chunk (lily.cli and lily.notebook show it as a progress bar)."""
+        every prefill chunk (lily.display.prefill_bar draws it as a progress bar)."""
         req = self._prepare(prompt, max_tokens, dict(temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty), seed, stop, logprobs, top_logprobs,
