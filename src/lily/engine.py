@@ -490,8 +490,7 @@ class Engine:
             if sess is None:
                 core, cached = self._core.new_session(), 0
                 prefill = _Prefill(self, req, core, len(ids))
-                # the last chunk runs in the generation, which selects the first token where the logits are
-                last = max(0, len(ids) - prefill.rows)
+                last = prefill.last_chunk_start(len(ids))
                 prefill.feed(ids[:last])
                 gen = self._core.generation(core, np.asarray(ids[last:], np.int32), req.max_tokens, req.stop_ids,
                                             req.params, req.chunk, cancel=req.cancel)
@@ -627,8 +626,21 @@ class _Prefill:
 
     def __init__(self, engine: Engine, req: _Request, core, total: int):
         self.engine, self.req, self.core, self.total = engine, req, core, total
-        self.rows = req.chunk or engine.prefill_chunk
+        limit = engine._core.max_rows
+        self.rows = min(req.chunk, limit) if req.chunk else limit  # the C++ engine's chunk_rows
         self.done, self.t0 = 0, time.perf_counter()
+
+    def _starts(self, n: int) -> list[int]:
+        """Where the chunks of n tokens start, as the C++ engine cuts them; a one-token feed is a decode step,
+        so a last chunk of one row stays with the chunk before it (the C++ loop runs it as a prefill chunk)."""
+        starts = list(range(0, n, self.rows))
+        if len(starts) > 1 and n - starts[-1] == 1:
+            starts.pop()
+        return starts
+
+    def last_chunk_start(self, n: int) -> int:
+        """Where the tokens left to the generation start (it selects the first token where the logits are)."""
+        return self._starts(n)[-1] if n else 0
 
     def _report(self) -> None:
         if self.req.progress is not None:
@@ -636,9 +648,10 @@ class _Prefill:
 
     def feed(self, ids: list[int]) -> np.ndarray | None:
         """Feeds `ids`; the logits of the last one [V] (None when there is nothing to feed)."""
+        starts = self._starts(len(ids))
         last = None
-        for i in range(0, len(ids), self.rows):
-            part = np.asarray(ids[i:i + self.rows], np.int32)
+        for b, e in zip(starts, starts[1:] + [len(ids)]):
+            part = np.asarray(ids[b:e], np.int32)
             last = self.engine._core.feed(self.core, part, self.req.chunk, self.req.cancel)[0]
             self.done += len(part)
             self._report()
