@@ -267,9 +267,23 @@ def test_generated_turns_longest_prefix_and_budget():
             return [ord(c) for c in text]
 
     turns = GeneratedTurns(max_tokens=10)
-    turns.add("ab", [1, 2])
-    turns.add("abcd", [1, 2, 3])
+    turns.put(turns.key("ab"), [1, 2])
+    turns.put(turns.key("abcd"), [1, 2, 3])
     assert turns.longest("abcdef") == (4, [1, 2, 3]) and turns.longest("abx") == (2, [1, 2])
     assert turns.encode(Tok, "abcdz") == [1, 2, 3, ord("z")] and turns.encode(Tok, "x") == [ord("x")]
-    turns.add("q" * 6, list(range(6)))  # 11 ids > 10: the least recently used ("ab", then used by nothing) goes
+    turns.put(turns.key("q" * 6), list(range(6)))  # 11 ids > 10: the least recently used ("ab", then used by nothing) goes
     assert len(turns) == 2 and turns.longest("abz") == (0, [])
+
+
+def test_a_saved_session_reuses_whole_turns_after_a_restart(engine, tmp_path):
+    kw = dict(enable_thinking=True, chat_template_kwargs={"preserve_thinking": True})
+    s = engine.new_session()
+    msgs, outs = agent_chat(engine, 2, s, **kw)
+    s.save(tmp_path / "s.lily")
+    fresh = lily.Engine.from_pretrained("synthetic:tiny")  # a restart: it never saw these answers
+    s2 = lily.Session.load(tmp_path / "s.lily", fresh)
+    assert [ids for _, ids in s2.turns] == [ids for _, ids in s.turns] and len(s.turns) == 2
+    msgs.append(agent_turn(2))
+    c = fresh.generate(msgs, max_tokens=4, tools=TOOLS, session=s2, **kw)
+    prev = outs[-1][1].usage
+    assert c.usage.cached_tokens >= prev.prompt_tokens + prev.completion_tokens - 2

@@ -617,7 +617,10 @@ class Engine:
         no_content = not message.get("content") and not message.get("tool_calls")
         ans = answer_ids(tok, history[len(cp.text):], generated, req.stop_ids, no_content)
         if ans is not None:
-            self._turns.add(history, req.ids + ans)
+            key = GeneratedTurns.key(history)
+            self._turns.put(key, req.ids + ans)
+            if req.session is not None:
+                req.session._remember(key, req.ids + ans)
 
 
 class _Prefill:

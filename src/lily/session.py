@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 FORMAT = "lily.session/1"
 DEFAULT_SNAPSHOT_BUDGET = 4 << 30  # bytes of snapshot state per session
+MAX_SESSION_TURNS = 64  # answers a session keeps for GeneratedTurns (saved with it)
 
 
 class SessionFileError(ValueError):
@@ -104,6 +105,7 @@ class Session:
         self._clock = 0
         self._prefilled = 0  # tokens this session ran through prefill / decode, over every request
         self._decoded = 0
+        self.turns: list[tuple[tuple[int, bytes], list[int]]] = []  # its answers, as GeneratedTurns keys and ids
 
     # ------------------------------------------------------------------ state
     @property
@@ -141,13 +143,17 @@ class Session:
     def fork(self) -> "Session":
         """An independent copy: the live state is copied, snapshots (immutable) are shared."""
         f = Session(self.engine, self.engine._core.clone_session(self._core), snapshot_budget=self.snapshot_budget)
-        f.snapshots = list(self.snapshots)
+        f.snapshots, f.turns = list(self.snapshots), list(self.turns)
         return f
 
     def reset(self) -> None:
         """Forget everything: an empty state, no snapshots."""
         self._core = self.engine._core.new_session()
-        self.snapshots = []
+        self.snapshots, self.turns = [], []
+
+    def _remember(self, key: tuple[int, bytes], ids: list[int]) -> None:
+        """Keeps an answer's GeneratedTurns entry, so that a saved session matches its turns after a restart."""
+        self.turns = [t for t in self.turns if t[0] != key][-(MAX_SESSION_TURNS - 1):] + [(key, list(ids))]
 
     # ------------------------------------------------------------------ snapshots
     def _tick(self) -> int:
@@ -237,6 +243,7 @@ class Session:
             entries.append({"tag": tag, "kind": kind, "tokens": [int(t) for t in core.tokens],
                             "logits": logits is not None})
         manifest = {"format": FORMAT, "fingerprint": fingerprint(e), "entries": entries,
+                    "turns": [_turn_entry(key, ids, self._core.tokens) for key, ids in self.turns],
                     "crc32": {name: zlib.crc32(data) for name, _, _, data in tensors}}
         _write_safetensors(path, tensors, {"lily.session": json.dumps(manifest)})
         return path
@@ -291,6 +298,11 @@ class Session:
                 s.snapshots.append(Snapshot(tuple(core.tokens), core, entry["kind"],
                                             int(engine._core.state_bytes(core)), logits, s._tick()))
         s._evict()
+        live = s._core.tokens
+        for t in manifest.get("turns", []):  # files written before turns were kept have none
+            key, ids = (int(t["chars"]), bytes.fromhex(t["sha256"])), list(live[:int(t["shared"])]) + t["tail"]
+            s._remember(key, ids)
+            engine._turns.put(key, ids)
         return s
 
 
@@ -309,11 +321,11 @@ class GeneratedTurns:
         return len(self._ids)
 
     @staticmethod
-    def _key(text: str) -> tuple[int, bytes]:
+    def key(text: str) -> tuple[int, bytes]:
+        """(characters, sha256 of the UTF-8): what identifies a rendered conversation."""
         return len(text), hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
-    def add(self, text: str, ids) -> None:
-        key = self._key(text)
+    def put(self, key: tuple[int, bytes], ids) -> None:
         if key in self._ids:
             self._held -= self._ids.pop(key).size
         self._ids[key] = np.asarray(ids, dtype=np.int32)
@@ -325,7 +337,7 @@ class GeneratedTurns:
         """The longest remembered conversation that `text` starts with: (its length in characters, its ids), or
         (0, []) when none."""
         for n in sorted({n for n, _ in self._ids if n <= len(text)}, reverse=True):
-            key = self._key(text[:n])
+            key = self.key(text[:n])
             if key in self._ids:
                 self._ids.move_to_end(key)
                 return n, self._ids[key].tolist()
@@ -368,6 +380,13 @@ def answer_ids(tokenizer, answer: str, generated: list[int], stop_ids, ended_in_
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+def _turn_entry(key: tuple[int, bytes], ids: list[int], live) -> dict:
+    """A GeneratedTurns entry for the manifest: the ids as the length shared with the live tokens plus the rest
+    (an earlier answer's ids are mostly a prefix of the live state: the file does not repeat them)."""
+    shared = _common_prefix(ids, live)
+    return {"chars": key[0], "sha256": key[1].hex(), "shared": shared, "tail": [int(t) for t in ids[shared:]]}
+
 
 def fingerprint(engine: "Engine") -> dict:
     """What a saved state depends on: the model config, the weight files (names and sizes) and the backend."""
