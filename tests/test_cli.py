@@ -137,3 +137,15 @@ def test_convert_of_an_mlx_checkpoint_says_so_and_writes_nothing(tmp_path, capsy
     assert cli.main(["convert", str(ensure_synthetic("tiny")), str(out)]) == 2
     err = capsys.readouterr().err
     assert "already in the MLX layout" in err and "quantized" in err and not out.exists()
+
+
+def test_preserve_thinking_defaults(monkeypatch):
+    """lily chat preserves thinking unless told not to; lily serve only when told to (and passes it on)."""
+    from lily import cli, server
+    p = cli.build_parser()
+    assert p.parse_args(["chat"]).preserve_thinking is True
+    assert p.parse_args(["chat", "--no-preserve-thinking"]).preserve_thinking is False
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda engine, **kw: seen.update(kw))
+    assert cli.main(["serve", "--preserve-thinking"]) == 0 and seen["preserve_thinking"] is True
+    assert cli.main(["serve"]) == 0 and seen["preserve_thinking"] is False
