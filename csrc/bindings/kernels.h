@@ -34,8 +34,8 @@ const std::string& kernel_device();
 // A new device of that kind; the EmuOptions apply to metal-emu only.
 std::unique_ptr<Device> make_kernel_device(const EmuOptions& options);
 // Counters as {"dispatches", "stages", "cpu_waits", "command_buffers", "bytes_read": {role: n},
-// "bytes_written": {role: n}}.
-nanobind::dict counters_dict(const Counters& c);
+// "bytes_written": {role: n}, "kernels": {name: n}}; `label` names a kernel index (default: metal's KernelId).
+nanobind::dict counters_dict(const Counters& c, const std::function<const char*(gpu::KernelIndex)>& label = {});
 
 // A test's GEMM path by name: "auto", "simdgroup" or "tensor" (encoders.h GemmPath).
 GemmPath gemm_path(const std::string& name);
