@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,1024,4096")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill chunk (the backend's max_rows)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     import lily
@@ -86,7 +87,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     t0 = time.perf_counter()
-    e = lily.Engine.from_pretrained(args.model, backend="cuda")
+    e = lily.Engine.from_pretrained(args.model, backend="cuda", prefill_chunk=args.prefill_chunk)
     out["load_s"] = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     V = e.config.vocab_size

@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-build test synth bench}
+STEPS=${STEPS:-build test synth bench}  # also: profile
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
@@ -27,17 +27,32 @@ if has synth; then
 fi
 if has test; then
   log tests
-  timeout 300 python3 -m pytest -q -x tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/test_cuda.log" | tail -30
-  LILY_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q tests/test_one_row_chunks.py -p no:cacheprovider 2>&1 \
-    | tee "$OUT/test_one_row.log" | tail -15
+  # the carried tiny models count as built (tinymodels.py looks for .complete)
+  for d in "${LILY_TEST_MODELS:-/nonexistent}"/*/*/*/; do [ -f "$d/config.json" ] && touch "$d/.complete"; done
+  ls -la "${LILY_TEST_MODELS:-/nonexistent}"/*/peaked*/mlx_q4_bf16/ | head -5
+  # nanobind's leak report at exit (the engines cached across tests) is noise here
+  timeout 300 python3 -m pytest -q -rA tests/test_cuda.py -p no:cacheprovider 2>&1 | grep -v "leaked\|^ - " \
+    >"$OUT/test_cuda.log"; grep -E "passed|failed|PASSED|FAILED|ERROR|cuda vs" "$OUT/test_cuda.log" | tail -40
+  LILY_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -rA tests/test_one_row_chunks.py -p no:cacheprovider 2>&1 \
+    | grep -v "leaked\|^ - " >"$OUT/test_one_row.log"; grep -E "passed|failed|PASSED|FAILED|ERROR" "$OUT/test_one_row.log" | tail -12
 fi
 if has bench; then
-  [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; tail -3 "$OUT/synth.log"; }
+  [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; tail -3 "$OUT/synth.log"; }
   log bench
   timeout 300 python3 benchmarks/cuda_bench.py --model /tmp/synth-full --lengths ${LENGTHS:-512,4096} \
     --contexts ${CONTEXTS:-128,1024,4096} --decode-tokens 64 --repeats 3 --json "$OUT/cuda_full.json" 2>&1 \
     | tee "$OUT/bench.log"
+  timeout 120 python3 benchmarks/cuda_bench.py --model /tmp/synth-full --lengths 4096 --contexts 4096 \
+    --prefill-chunk 512 --decode-tokens 16 --repeats 2 --json "$OUT/cuda_full_chunk512.json" 2>&1 | grep prefill
   timeout 200 python3 -m lily.cli bench --backend cuda --model /tmp/synth-full --lengths 4096 --contexts 4096 \
     --decode-tokens 32 --repeats 2 --quiet --json "$OUT/lily_bench_cuda_full.json" 2>&1 | tail -15
 fi
+if has profile; then
+  [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; }
+  log profile
+  timeout 200 python3 benchmarks/cuda_profile.py --model /tmp/synth-full --prompt 4096 --chunk 2048 2>&1 \
+    | grep -v "^STAGE\|Warning" | tee "$OUT/profile.log"
+fi
+# at most 8 files come back: the logs travel as one archive
+(cd "$OUT" && tar czf logs.tar.gz *.log && rm -f *.log)
 log done

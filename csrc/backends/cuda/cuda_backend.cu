@@ -359,22 +359,51 @@ class CudaBackend final : public Backend {
   void attn_prefill(int layer, int T, int64_t pos) override { attention(layer, T, pos, 1); }
   void attn_decode(int layer, int64_t pos) override { attention(layer, 1, pos, kDecodeSplits); }
 
+  // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence, the gated
+  // norm over all rows.
   void gdn_scan(int layer, int T) override {
+    check_rows(T, "gdn_scan");
+    if (!op()) return;
+    const DeltaNetWeights& G = m_.layers[layer].gdn;
+    const int C = c_.conv_dim(), nk = c_.lin_nk, nv = c_.lin_nv, dv = c_.lin_dv;
+    const int64_t cells = int64_t(T) * C;
+    gdn_conv_rows_kernel<<<int((cells + 255) / 256), 256, 0, stream_>>>(act(Act::qkv), conv_out_, s_->conv[layer],
+                                                                       vec(G.conv), T, C, c_.conv_kernel);
+    gdn_conv_state_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), s_->conv[layer], T, C,
+                                                               c_.conv_kernel);
+    const int warps = T * (2 * nk + 1);
+    gdn_prepare_kernel<<<(warps + 3) / 4, 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha),
+                                                            vec(G.A_log), vec(G.dt_bias), T, C, nk, nv, c_.lin_dk);
+    auto scan = [&](auto kernel) {
+      kernel<<<dim3(nv, dv / 32), 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha), s_->rec[layer],
+                                                      act(Act::mix), width(Act::mix), T, C, nk, nv, dv);
+    };
+    switch (c_.lin_dk) {
+      case 32: scan(gdn_scan_rows_kernel<32>); break;
+      case 64: scan(gdn_scan_rows_kernel<64>); break;
+      default: scan(gdn_scan_rows_kernel<128>); break;
+    }
+    gdn_gated_norm_kernel<<<T * nv, dv, 0, stream_>>>(act(Act::mix), width(Act::mix), act(Act::z), vec(G.norm), nv,
+                                                     dv, c_.rms_eps);
+  }
+
+  // One row with everything after the conv in one kernel per value head.
+  void gdn_step(int layer) override {
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
     const int C = c_.conv_dim();
-    gdn_conv_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), conv_out_, s_->conv[layer], vec(G.conv), T,
+    gdn_conv_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), conv_out_, s_->conv[layer], vec(G.conv), 1,
                                                          C, c_.conv_kernel);
-    auto scan = [&](auto kernel) {
+    auto step = [&](auto kernel) {
       kernel<<<c_.lin_nv, 2 * c_.lin_dv, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha), act(Act::z),
-                                                  s_->rec[layer], vec(G.A_log), vec(G.dt_bias), vec(G.norm),
-                                                  act(Act::mix), width(Act::mix), T, C, c_.lin_nk, c_.lin_nv,
-                                                  c_.lin_dv, c_.rms_eps);
+                                                      s_->rec[layer], vec(G.A_log), vec(G.dt_bias), vec(G.norm),
+                                                      act(Act::mix), width(Act::mix), 1, C, c_.lin_nk, c_.lin_nv,
+                                                      c_.lin_dv, c_.rms_eps);
     };
     switch (c_.lin_dk) {
-      case 32: scan(gdn_scan_kernel<32>); break;
-      case 64: scan(gdn_scan_kernel<64>); break;
-      default: scan(gdn_scan_kernel<128>); break;
+      case 32: step(gdn_scan_kernel<32>); break;
+      case 64: step(gdn_scan_kernel<64>); break;
+      default: step(gdn_scan_kernel<128>); break;
     }
   }
 
@@ -419,7 +448,8 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
     const int K = c_.top_k, H = c_.hidden;
-    moe_gate_up_kernel<<<dim3((imax_ + kGemvWarps - 1) / kGemvWarps, K + 1), kGemvWarps * 32, H * 4, stream_>>>(
+    moe_gate_up_kernel<<<dim3((imax_ + kGemvBlockRows - 1) / kGemvBlockRows, K + 1), kGemvWarps * 32, H * 4,
+                         stream_>>>(
         lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), act(Act::xn), H, route_ids_, K, hbuf_,
         imax_);
     moe_down_kernel<<<(H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, (K + 1) * imax_ * 4, stream_>>>(
@@ -497,9 +527,9 @@ class CudaBackend final : public Backend {
     need(c_.n_q % c_.n_kv == 0 && c_.n_q / c_.n_kv <= kMaxGroup,
          "n_q / n_kv = " + std::to_string(c_.n_q / std::max(c_.n_kv, 1)) + " (at most 8 query heads per KV head)");
     need(c_.lin_dk == 32 || c_.lin_dk == 64 || c_.lin_dk == 128, "linear_key_head_dim " + std::to_string(c_.lin_dk));
-    need(c_.lin_dv % 16 == 0 && c_.lin_dv <= 512, "linear_value_head_dim " + std::to_string(c_.lin_dv));
+    need(c_.lin_dv % 32 == 0 && c_.lin_dv <= 512, "linear_value_head_dim " + std::to_string(c_.lin_dv));
     need(c_.conv_kernel >= 1 && c_.conv_kernel <= 8, "linear_conv_kernel_dim " + std::to_string(c_.conv_kernel));
-    need(c_.top_k <= 16, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 16)");
+    need(c_.top_k <= 32 && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
     need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));
   }
 
@@ -581,8 +611,8 @@ class CudaBackend final : public Backend {
 
   void gemv(GemvJobs& jobs, const float* x, const float* norm, float* xn_out) {
     const int rows = jobs.first[jobs.n], cols = jobs.W[0].cols;
-    gemv_kernel<<<(rows + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, cols * 4, stream_>>>(jobs, x, cols, norm,
-                                                                                           c_.rms_eps, xn_out);
+    gemv_kernel<<<(rows + kGemvBlockRows - 1) / kGemvBlockRows, kGemvWarps * 32, cols * 4, stream_>>>(
+        jobs, x, cols, norm, c_.rms_eps, xn_out);
   }
 
   // Y (+)= W · X for T rows: a warp-per-row GEMV for one row, the tensor-core GEMM for more.
@@ -613,7 +643,7 @@ class CudaBackend final : public Backend {
   }
 
   void topk(int T) {
-    topk_kernel<<<(T + 3) / 4, 128, 0, stream_>>>(router_, c_.experts, c_.top_k, T, route_ids_, route_w_);
+    topk_kernel<<<(T + 3) / 4, 128, 4 * c_.experts * sizeof(float), stream_>>>(router_, c_.experts, c_.top_k, T, route_ids_, route_w_);
   }
 
   void attention(int layer, int T, int64_t pos, int splits) {

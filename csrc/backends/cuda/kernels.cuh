@@ -120,6 +120,63 @@ __device__ __forceinline__ float warp_dot_row(const LinDev& W, int e, int r, con
   return warp_sum(acc);
 }
 
+// Decode's GEMVs are latency-bound unless each lane has several weight loads in flight: R rows of one matrix
+// at once, every row's 16-byte load of a column chunk issued before the first of them is used. 4-bit rows
+// take that path; other formats go row by row through dequant32. Results reduced over the warp into out[R].
+struct Q4Chunk {
+  uint4 q;
+  float scale, bias;
+};
+__device__ __forceinline__ Q4Chunk load_q4(const LinDev& W, int e, int r, int c0) {
+  const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(r) * W.s_row;
+  const int g = c0 / W.group;
+  return {*reinterpret_cast<const uint4*>(W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row + c0 / 2),
+          load_param(W.s + s_off, W.sdt, g), load_param(W.b + s_off, W.sdt, g)};
+}
+__device__ __forceinline__ float dot_q4(const Q4Chunk& c, const float* x, float acc) {
+  const uint32_t w[4] = {c.q.x, c.q.y, c.q.z, c.q.w};
+  float codes = 0.f, sum = 0.f;  // Σ x·(s·q + b) = s·Σ x·q + b·Σ x
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float xv = x[8 * i + k];
+      codes = fmaf(float((w[i] >> (4 * k)) & 15u), xv, codes);
+      sum += xv;
+    }
+  return fmaf(c.scale, codes, fmaf(c.bias, sum, acc));
+}
+
+template <int R>
+__device__ __forceinline__ void warp_dot_rows(const LinDev& W, const int* e, const int* r, const float* x,
+                                              float* out) {
+  const int lane = threadIdx.x & 31;
+  float acc[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) acc[i] = 0.f;
+  if (W.bits == 4) {
+#pragma unroll 2
+    for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32) {
+      Q4Chunk c[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) c[i] = load_q4(W, e[i], r[i], c0);
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[i] = dot_q4(c[i], x + c0, acc[i]);
+    }
+  } else {
+    for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32)
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        float v[32];
+        dequant32(W, e[i], r[i], c0, v);
+#pragma unroll
+        for (int k = 0; k < 32; ++k) acc[i] = fmaf(v[k], x[c0 + k], acc[i]);
+      }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) out[i] = warp_sum(acc[i]);
+}
+
 // x (cols floats) into shared memory, RMSNorm'd by `norm` when given (norm == nullptr: copied as is).
 __device__ __forceinline__ void stage_row(const float* x, int cols, const float* norm, float eps, float* xs,
                                           float* scratch32) {
@@ -142,15 +199,17 @@ __device__ __forceinline__ void stage_row(const float* x, int cols, const float*
 struct GemvJobs {
   LinDev W[4];
   float* out[4];
-  int first[5];  // first[j]: the first global row of job j; first[n] = total rows
+  int first[5] = {0, 0, 0, 0, 0};  // first[j]: the first global row of job j; first[n] = total rows
   int n = 0;
   bool accumulate = false;
 };
 
-constexpr int kGemvWarps = 8;
+constexpr int kGemvWarps = 8, kGemvRows = 4;  // rows per warp
+constexpr int kGemvBlockRows = kGemvWarps * kGemvRows;
 
 // out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null); `xn_out`, when given, receives the staged row
-// (block 0), for the ops after a fused norm that read xn.
+// (block 0), for the ops after a fused norm that read xn. Each warp kGemvRows consecutive rows (job sizes are
+// multiples of kGemvRows but for tails, which go row by row).
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemvJobs jobs, const float* x, int cols,
                                                                 const float* norm, float eps, float* xn_out) {
   extern __shared__ float xs[];
@@ -158,15 +217,38 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemvJobs jobs, co
   stage_row(x, cols, norm, eps, xs, scratch);
   if (xn_out && blockIdx.x == 0)
     for (int j = threadIdx.x; j < cols; j += blockDim.x) xn_out[j] = xs[j];
-  const int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
-  if (r >= jobs.first[jobs.n]) return;
+  const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
+  if (r0 >= jobs.first[jobs.n]) return;
   int j = 0;
-  while (r >= jobs.first[j + 1]) ++j;
-  const int row = r - jobs.first[j];
-  const float v = warp_dot_row(jobs.W[j], 0, row, xs);
-  if ((threadIdx.x & 31) == 0) {
-    float* o = jobs.out[j] + row;
-    *o = jobs.accumulate ? *o + v : v;
+  while (r0 >= jobs.first[j + 1]) ++j;
+  const int row = r0 - jobs.first[j];
+  const int lane = threadIdx.x & 31;
+  const int zero[kGemvRows] = {};
+  if (r0 + kGemvRows <= jobs.first[j + 1]) {
+    int rows[kGemvRows];
+    float v[kGemvRows];
+#pragma unroll
+    for (int i = 0; i < kGemvRows; ++i) rows[i] = row + i;
+    warp_dot_rows<kGemvRows>(jobs.W[j], zero, rows, xs, v);
+    if (lane < kGemvRows) {
+      float vl = v[0];
+#pragma unroll
+      for (int i = 1; i < kGemvRows; ++i) vl = lane == i ? v[i] : vl;
+      float* o = jobs.out[j] + row + lane;
+      *o = jobs.accumulate ? *o + vl : vl;
+    }
+    return;
+  }
+  // a tail: the rows left in this job, then those of the jobs after it
+  for (int r = r0; r < r0 + kGemvRows && r < jobs.first[jobs.n]; ++r) {
+    while (r >= jobs.first[j + 1]) ++j;
+    const int rr = r - jobs.first[j];
+    float v;
+    warp_dot_rows<1>(jobs.W[j], zero, &rr, xs, &v);
+    if (lane == 0) {
+      float* o = jobs.out[j] + rr;
+      *o = jobs.accumulate ? *o + v : v;
+    }
   }
 }
 
@@ -373,22 +455,33 @@ __global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, con
   }
   const __nv_bfloat16* Kh = Kc + int64_t(kvh) * cap * D + lane * PL;
   const __nv_bfloat16* Vh = Vc + int64_t(kvh) * cap * D + lane * PL;
-  for (int64_t s = s0; s < s1; ++s) {
-    float kv[PL], vv[PL];
+  // keys in batches of kBatch, every load of a batch issued before its first use
+  constexpr int kBatch = 4;
+  for (int64_t sb = s0; sb < s1; sb += kBatch) {
+    float kv[kBatch][PL], vv[kBatch][PL];
 #pragma unroll
-    for (int i = 0; i < PL; ++i) kv[i] = __bfloat162float(Kh[s * D + i]), vv[i] = __bfloat162float(Vh[s * D + i]);
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t s = sb + b < s1 ? sb + b : s1 - 1;
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) {
-      if (g >= G) break;
-      float dot = 0.f;
+      for (int i = 0; i < PL; ++i)
+        kv[b][i] = __bfloat162float(Kh[s * D + i]), vv[b][i] = __bfloat162float(Vh[s * D + i]);
+    }
 #pragma unroll
-      for (int i = 0; i < PL; ++i) dot = fmaf(q[g][i], kv[i], dot);
-      dot = warp_sum(dot);
-      const float mn = fmaxf(m[g], dot), corr = expf(m[g] - mn), p = expf(dot - mn);
-      l[g] = l[g] * corr + p;
+    for (int b = 0; b < kBatch; ++b) {
+      if (sb + b >= s1) break;
 #pragma unroll
-      for (int i = 0; i < PL; ++i) o[g][i] = fmaf(o[g][i], corr, p * vv[i]);
-      m[g] = mn;
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= G) break;
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < PL; ++i) dot = fmaf(q[g][i], kv[b][i], dot);
+        dot = warp_sum(dot);
+        const float mn = fmaxf(m[g], dot), corr = expf(m[g] - mn), p = expf(dot - mn);
+        l[g] = l[g] * corr + p;
+#pragma unroll
+        for (int i = 0; i < PL; ++i) o[g][i] = fmaf(o[g][i], corr, p * vv[b][i]);
+        m[g] = mn;
+      }
     }
   }
 #pragma unroll
@@ -431,8 +524,8 @@ __global__ void attention_combine_kernel(const float* part, int splits, int d, c
 
 // ---------------------------------------------------------------- Gated DeltaNet
 
-// Causal depthwise conv + SiLU over [state rows ‖ chunk rows] per channel (one thread each), then the state
-// keeps the last k_c - 1 inputs.
+// Decode's causal depthwise conv + SiLU over [state rows ‖ chunk rows] per channel (one thread each, the rows
+// in sequence), then the state keeps the last k_c - 1 inputs.
 __global__ void gdn_conv_kernel(const float* qkv, float* conv_out, float* conv_state, const float* taps, int T, int C,
                                 int Kc) {
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
@@ -449,8 +542,8 @@ __global__ void gdn_conv_kernel(const float* qkv, float* conv_out, float* conv_s
   for (int j = 0; j < Kc - 1; ++j) conv_state[int64_t(j) * C + ch] = u[j];
 }
 
-// The delta-rule recurrence of one value head over T rows, then the gated RMSNorm: one block per value
-// head, two threads per column j of the state S [d_k, d_v], each holding half the column in registers
+// Decode's step (Fusions::gdn_step): the delta-rule recurrence of one value head for T rows with the q/k
+// l2-norm, the gates and the gated RMSNorm inside: one block per value head, two threads per column j of the state S [d_k, d_v], each holding half the column in registers
 // (2·d_v threads; the pair are neighbouring lanes and add their partial dot products with one shuffle).
 template <int DK>
 __global__ void gdn_scan_kernel(const float* conv, const float* beta_in, const float* alpha_in, const float* z,
@@ -504,48 +597,166 @@ __global__ void gdn_scan_kernel(const float* conv, const float* beta_in, const f
   for (int i = 0; i < HALF; ++i) S[(i0 + i) * dv + j] = col[i];
 }
 
+// Prefill's causal conv + SiLU, one thread per (row, channel): row t reads inputs t - k_c + 1 … t, those before
+// the chunk from the state (left as it was: gdn_conv_state_kernel moves it on afterwards).
+__global__ void gdn_conv_rows_kernel(const float* qkv, float* conv_out, const float* conv_state, const float* taps,
+                                     int T, int C, int Kc) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(T) * C) return;
+  const int t = int(idx / C), ch = int(idx % C);
+  float acc = 0.f;
+  for (int j = 0; j < Kc; ++j) {
+    const int src = t - (Kc - 1) + j;  // row of the input tap j multiplies; < 0: state row Kc - 1 + src
+    const float u = src >= 0 ? qkv[int64_t(src) * C + ch] : conv_state[int64_t(Kc - 1 + src) * C + ch];
+    acc = fmaf(taps[ch * Kc + j], u, acc);
+  }
+  conv_out[idx] = siluf_(acc);
+}
+
+// The conv state after a chunk of T rows: its last k_c - 1 inputs (state rows first when T < k_c - 1).
+__global__ void gdn_conv_state_kernel(const float* qkv, float* conv_state, int T, int C, int Kc) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= C) return;
+  float u[8];
+  for (int j = 0; j < Kc - 1; ++j) {
+    const int src = T - (Kc - 1) + j;
+    u[j] = src >= 0 ? qkv[int64_t(src) * C + ch] : conv_state[int64_t(Kc - 1 + src) * C + ch];
+  }
+  for (int j = 0; j < Kc - 1; ++j) conv_state[int64_t(j) * C + ch] = u[j];
+}
+
+// Per (row, key head): q and k l2-normalised in place (q · d_k^-1/2); per (row, value head): the gates,
+// β = σ(b) into beta and the decay exp(-A·softplus(a + dt_bias)) into alpha, in place. One warp each.
+__global__ void gdn_prepare_kernel(float* conv, float* beta, float* alpha, const float* A_log, const float* dt_bias,
+                                   int T, int C, int nk, int nv, int dk) {
+  const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  const int per_row = 2 * nk + 1;
+  if (w >= T * per_row) return;
+  const int t = w / per_row, v = w % per_row;
+  if (v == 2 * nk) {
+    for (int h = lane; h < nv; h += 32) {
+      const int64_t i = int64_t(t) * nv + h;
+      beta[i] = sigmoidf_(beta[i]);
+      alpha[i] = expf(-expf(A_log[h]) * softplusf_(alpha[i] + dt_bias[h]));
+    }
+    return;
+  }
+  float* x = conv + int64_t(t) * C + int64_t(v) * dk;  // q heads then k heads: [q ‖ k ‖ v] row layout
+  float ss = 0.f;
+  for (int i = lane; i < dk; i += 32) ss += x[i] * x[i];
+  const float inv = rsqrtf(warp_sum(ss) + 1e-6f) * (v < nk ? rsqrtf(float(dk)) : 1.f);
+  for (int i = lane; i < dk; i += 32) x[i] *= inv;
+}
+
+// Prefill's delta-rule recurrence over T rows for 32 columns of one value head's state: four threads per
+// column, each a quarter of it in registers, partial products added with two shuffles; no barriers (q, k and
+// the gates were prepared by gdn_prepare_kernel), and row t + 1's inputs are loaded while row t is computed.
+// Writes the raw output o into mix (gdn_gated_norm_kernel finishes it). Grid (n_v, d_v / 32), 128 threads.
+template <int DK>
+__global__ void __launch_bounds__(128) gdn_scan_rows_kernel(const float* conv, const float* beta,
+                                                             const float* alpha, float* rec, float* mix, int ldmix,
+                                                             int T, int C, int nk, int nv, int dv) {
+  constexpr int Q = DK / 4;
+  const int h = blockIdx.x, j = blockIdx.y * 32 + (threadIdx.x >> 2), i0 = (threadIdx.x & 3) * Q;
+  const int kh = h / (nv / nk), Kd = nk * DK;
+  float* S = rec + int64_t(h) * DK * dv;
+  float col[Q];
+#pragma unroll
+  for (int i = 0; i < Q; ++i) col[i] = S[(i0 + i) * dv + j];
+  float q[Q], k[Q], v, b, a;
+  auto load = [&](int t, float* qd, float* kd, float& vd, float& bd, float& ad) {
+    const float* row = conv + int64_t(t) * C;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) qd[i] = row[kh * DK + i0 + i], kd[i] = row[Kd + kh * DK + i0 + i];
+    vd = row[2 * Kd + h * dv + j];
+    bd = beta[int64_t(t) * nv + h];
+    ad = alpha[int64_t(t) * nv + h];
+  };
+  load(0, q, k, v, b, a);
+  for (int t = 0; t < T; ++t) {
+    float qn[Q], kn[Q], vn = 0.f, bn = 0.f, an = 0.f;
+    if (t + 1 < T) load(t + 1, qn, kn, vn, bn, an);
+    float mk = 0.f;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) {
+      col[i] *= a;
+      mk = fmaf(col[i], k[i], mk);
+    }
+    mk += __shfl_xor_sync(0xffffffffu, mk, 1);
+    mk += __shfl_xor_sync(0xffffffffu, mk, 2);
+    const float delta = b * (v - mk);
+    float o = 0.f;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) {
+      col[i] = fmaf(k[i], delta, col[i]);
+      o = fmaf(col[i], q[i], o);
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    if (i0 == 0) mix[int64_t(t) * ldmix + h * dv + j] = o;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) q[i] = qn[i], k[i] = kn[i];
+    v = vn, b = bn, a = an;
+  }
+#pragma unroll
+  for (int i = 0; i < Q; ++i) S[(i0 + i) * dv + j] = col[i];
+}
+
+// mix[t, head h] ← RMSNorm(o) · w ⊙ SiLU(z), in place; one block of d_v threads per (row, value head).
+__global__ void gdn_gated_norm_kernel(float* mix, int ldmix, const float* z, const float* w, int nv, int dv,
+                                      float eps) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x / nv, h = blockIdx.x % nv, j = threadIdx.x;
+  float* o = mix + int64_t(t) * ldmix + h * dv;
+  const float x = o[j];
+  const float inv = rsqrtf(block_sum(x * x, scratch) / float(dv) + eps);
+  o[j] = x * inv * w[j] * siluf_(z[int64_t(t) * nv * dv + h * dv + j]);
+}
+
 // ---------------------------------------------------------------- MoE
 
 // Router softmax over E logits, top-k (ties to the lower id, as the reference), renormalised weights. One
-// warp per row.
+// warp per row, the row's logits in shared memory (E floats per warp): K rounds of a warp argmax, each taken
+// logit then set to -inf.
 __global__ void topk_kernel(const float* logits, int E, int K, int T, int32_t* ids, float* weights) {
-  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  extern __shared__ float rows[];
+  const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + wi;
   if (t >= T) return;
   const float* p = logits + int64_t(t) * E;
+  float* l = rows + wi * E;
   float mx = -INFINITY;
-  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, p[e]);
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e] = p[e]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0.f;
-  for (int e = lane; e < E; e += 32) sum += expf(p[e] - mx);
+  for (int e = lane; e < E; e += 32) sum += expf(l[e] - mx);
   sum = warp_sum(sum);
-  // K rounds of a warp argmax over the logits not taken yet (the softmax is monotone in the logit)
-  int taken[16];
-  float tw[16], top = 0.f;
+  __syncwarp();
+  float mine = 0.f, top = 0.f;  // lane k keeps the k-th weight
+  int mine_id = 0;
   for (int k = 0; k < K; ++k) {
     float best = -INFINITY;
     int bi = 1 << 30;
-    for (int e = lane; e < E; e += 32) {
-      bool used = false;
-      for (int q = 0; q < k; ++q) used |= taken[q] == e;
-      if (!used && (p[e] > best || (p[e] == best && e < bi))) best = p[e], bi = e;
-    }
+    for (int e = lane; e < E; e += 32)
+      if (l[e] > best) best = l[e], bi = e;  // e grows: the first maximum of this lane's share
 #pragma unroll
     for (int o = 16; o; o >>= 1) {
       const float ob = __shfl_xor_sync(0xffffffffu, best, o);
       const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
       if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
     }
-    taken[k] = bi;
-    tw[k] = expf(best - mx) / sum;
-    top += tw[k];
+    const float pw = expf(best - mx) / sum;
+    top += pw;
+    if (lane == k) mine = pw, mine_id = bi;
+    __syncwarp();
+    if (lane == 0) l[bi] = -INFINITY;
+    __syncwarp();
   }
-  if (lane < K)
-    for (int k = 0; k < K; ++k)
-      if (k == lane) {
-        ids[int64_t(t) * K + k] = taken[k];
-        weights[int64_t(t) * K + k] = tw[k] / top;
-      }
+  if (lane < K) {
+    ids[int64_t(t) * K + lane] = mine_id;
+    weights[int64_t(t) * K + lane] = mine / top;
+  }
 }
 
 // Assignment slots s = t·K + j grouped by expert: counts, offsets (exclusive scan), perm[position] = slot and
@@ -589,7 +800,7 @@ __global__ void moe_combine_kernel(float* x, const float* Y, const float* SY, co
 }
 
 // Decode: h_j ← SiLU(gate_e · xn) ⊙ (up_e · xn) for the K routed experts e = ids[j] (blockIdx.y = j) and the
-// shared expert (blockIdx.y = K); one warp per row.
+// shared expert (blockIdx.y = K); kGemvRows rows per warp.
 __global__ void __launch_bounds__(kGemvWarps * 32) moe_gate_up_kernel(LinDev gate, LinDev up, LinDev sgate,
                                                                        LinDev sup, const float* xn, int H,
                                                                        const int32_t* ids, int K, float* h,
@@ -597,29 +808,63 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_gate_up_kernel(LinDev gat
   extern __shared__ float xs[];
   for (int j = threadIdx.x; j < H; j += blockDim.x) xs[j] = xn[j];
   __syncthreads();
-  const int slot = blockIdx.y, r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  const int slot = blockIdx.y, r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
   const bool shared = slot == K;
-  const LinDev& G = shared ? sgate : gate;
-  const LinDev& U = shared ? sup : up;
-  if (r >= G.rows) return;
+  const int rows_of = shared ? sgate.rows : gate.rows;
+  if (r0 >= rows_of) return;
   const int e = shared ? 0 : ids[slot];
-  const float g = warp_dot_row(G, e, r, xs), u = warp_dot_row(U, e, r, xs);
-  if ((threadIdx.x & 31) == 0) h[slot * ldh + r] = siluf_(g) * u;
+  int es[kGemvRows], rows[kGemvRows];
+#pragma unroll
+  for (int i = 0; i < kGemvRows; ++i) es[i] = e, rows[i] = min(r0 + i, rows_of - 1);
+  float g[kGemvRows], u[kGemvRows];
+  if (shared) {
+    warp_dot_rows<kGemvRows>(sgate, es, rows, xs, g);
+    warp_dot_rows<kGemvRows>(sup, es, rows, xs, u);
+  } else {
+    warp_dot_rows<kGemvRows>(gate, es, rows, xs, g);
+    warp_dot_rows<kGemvRows>(up, es, rows, xs, u);
+  }
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < kGemvRows; ++i)
+    if (lane == i && r0 + i < rows_of) h[slot * ldh + r0 + i] = siluf_(g[i]) * u[i];
 }
 
-// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]; one warp per row.
+// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]; one warp per row, its
+// lanes over the (expert, 32-column chunk) pairs four loads at a time, the weighted sum reduced once.
 __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, LinDev sdown, const float* h, int ldh,
                                                                     const int32_t* ids, const float* w,
                                                                     const float* sg, int K, float* x) {
   extern __shared__ float hs[];
   for (int j = threadIdx.x; j < (K + 1) * ldh; j += blockDim.x) hs[j] = h[j];
   __syncthreads();
-  const int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  const int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= down.rows) return;
+  const float shared_w = sigmoidf_(*sg);
   float acc = 0.f;
-  for (int j = 0; j < K; ++j) acc += w[j] * warp_dot_row(down, ids[j], r, hs + j * ldh);
-  acc += sigmoidf_(*sg) * warp_dot_row(sdown, 0, r, hs + K * ldh);
-  if ((threadIdx.x & 31) == 0) x[r] += acc;
+  if (down.bits == 4 && sdown.bits == 4 && down.cols == sdown.cols) {
+    const int n = down.cols / 32, items = (K + 1) * n;
+    for (int it0 = lane; it0 < items; it0 += 4 * 32) {
+      Q4Chunk c[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int it = min(it0 + 32 * b, items - 1), j = it / n, c0 = (it % n) * 32;
+        c[b] = j < K ? load_q4(down, ids[j], r, c0) : load_q4(sdown, 0, r, c0);
+      }
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int it = it0 + 32 * b;
+        if (it >= items) break;
+        const int j = it / n, c0 = (it % n) * 32;
+        acc += (j < K ? w[j] : shared_w) * dot_q4(c[b], hs + j * ldh + c0, 0.f);
+      }
+    }
+    acc = warp_sum(acc);
+  } else {
+    for (int j = 0; j < K; ++j) acc += w[j] * warp_dot_row(down, ids[j], r, hs + j * ldh);
+    acc += shared_w * warp_dot_row(sdown, 0, r, hs + K * ldh);
+  }
+  if (lane == 0) x[r] += acc;
 }
 
 // ---------------------------------------------------------------- token selection
