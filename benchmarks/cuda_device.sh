@@ -29,7 +29,14 @@ if has test; then
   log tests
   # the carried tiny models count as built (tinymodels.py looks for .complete)
   for d in "${LILY_TEST_MODELS:-/nonexistent}"/*/*/*/; do [ -f "$d/config.json" ] && touch "$d/.complete"; done
-  ls -la "${LILY_TEST_MODELS:-/nonexistent}"/*/peaked*/mlx_q4_bf16/ | head -5
+  python3 - <<'PY'
+import sys
+sys.path.insert(0, "tests")
+import tinymodels as tm
+for g in (tm.PEAKED, tm.BASE, tm.INTERVAL2):
+    d = tm.cache_root() / tm.CACHE_VERSION / f"{g.name}-{g.key()}" / "mlx_q4_bf16"
+    print("test model", d, "complete" if (d / ".complete").exists() else "MISSING")
+PY
   # nanobind's leak report at exit (the engines cached across tests) is noise here
   timeout 300 python3 -m pytest -q -rA tests/test_cuda.py -p no:cacheprovider 2>&1 | grep -v "leaked\|^ - " \
     >"$OUT/test_cuda.log"; grep -E "passed|failed|PASSED|FAILED|ERROR|cuda vs" "$OUT/test_cuda.log" | tail -40
