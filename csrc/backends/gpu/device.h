@@ -118,6 +118,11 @@ class Encoder {
   virtual uint32_t max_threads(KernelIndex kernel) const;
   template <class Kernel, class = std::enable_if_t<std::is_enum_v<Kernel>>>
   uint32_t max_threads(Kernel kernel) const { return max_threads(KernelIndex(kernel)); }
+  // Threadgroup memory per threadgroup, static + set by the host: dispatch() refuses more than the limit
+  // (Apple's 32 KB on every Apple GPU; a device with more overrides it). static_threadgroup_bytes: what the
+  // kernel declares itself (0 where the device cannot tell before running it).
+  virtual uint64_t max_threadgroup_memory() const { return 32768; }
+  virtual uint32_t static_threadgroup_bytes(KernelIndex kernel) const;
   virtual const char* kernel_label(KernelIndex kernel) const = 0;  // for messages
   uint64_t dispatches() const { return dispatches_; }
   bool tensor_ops = false;  // the device's has_tensor_ops(), set by its command buffer (encoders pick kernels)

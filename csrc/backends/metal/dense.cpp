@@ -4,9 +4,9 @@
 //
 // The rule: T == 1 runs the row-parallel GEMV, T > 1 the tiled GEMM. Decode (one row) reuses no weight, so
 // its cost is the bytes of W and the GEMV reads each exactly once with all lanes streaming; with two or more
-// rows the GEMM reads each weight tile once per 32 tokens instead of once per token. (The write-up found that
-// 2-5-row shapes are poor on this hardware either way; none occur outside speculative decoding, which Lily
-// does not do.)
+// rows the GEMM reads each weight tile once per 32 tokens instead of once per token. (The write-up,
+// docs/design.md, found that 2-5-row shapes are poor on this hardware either way; none occur outside
+// speculative decoding, which Lily does not do.)
 //
 // The GEMM has two matrix paths over the same dequantised bf16 tiles: Metal 4 tensor ops (matmul2d, the M5's
 // Neural Accelerators) where the device reports them (Device::has_tensor_ops, copied into Encoder::tensor_ops),
@@ -23,7 +23,6 @@ static_assert(sizeof(DenseArgs) == 40);
 // OutMode (encoders.h) indexes the kernel tables below and is the kernels' LilyOutMode template value.
 static_assert(int(OutMode::bf16) == LILY_OUT_BF16 && int(OutMode::f32) == LILY_OUT_F32 &&
               int(OutMode::f32_add) == LILY_OUT_F32_ADD);
-static_assert(LILY_W_Q4 == 0 && LILY_W_Q8 == 1 && LILY_W_BF16 == 2);
 
 namespace {
 
@@ -42,6 +41,11 @@ constexpr KernelId kGemmTensor[3][3] = {
     {KernelId::qgemm_tensor_q8_bf16, KernelId::qgemm_tensor_q8_f32, KernelId::qgemm_tensor_q8_f32add},
     {KernelId::qgemm_tensor_bf16_bf16, KernelId::qgemm_tensor_bf16_f32, KernelId::qgemm_tensor_bf16_f32add},
 };
+constexpr int kOutModes[] = {LILY_OUT_BF16, LILY_OUT_F32, LILY_OUT_F32_ADD};
+static_assert(table_instantiates(kGemv, "qgemv", kWeightFormats, kOutModes), "kGemv[format][mode] is qgemv<format, mode>");
+static_assert(table_instantiates(kGemm, "qgemm", kWeightFormats, kOutModes), "kGemm[format][mode] is qgemm<format, mode>");
+static_assert(table_instantiates(kGemmTensor, "qgemm_tensor", kWeightFormats, kOutModes),
+              "kGemmTensor[format][mode] is qgemm_tensor<format, mode>");
 
 }  // namespace
 

@@ -27,6 +27,8 @@ class Encoder : public gpu::Encoder {
  public:
   using gpu::Encoder::max_threads;
   virtual uint32_t max_threads(KernelId) const { return 1024; }
+  // A Metal pipeline's staticThreadgroupMemoryLength (0 where the device cannot tell before running it).
+  virtual uint32_t static_threadgroup_bytes(KernelId) const { return 0; }
   const char* kernel_label(gpu::KernelIndex k) const final { return kernel_name(KernelId(k)); }
 
  protected:
@@ -35,6 +37,7 @@ class Encoder : public gpu::Encoder {
 
  private:
   uint32_t max_threads(gpu::KernelIndex k) const final { return max_threads(KernelId(k)); }
+  uint32_t static_threadgroup_bytes(gpu::KernelIndex k) const final { return static_threadgroup_bytes(KernelId(k)); }
   void do_dispatch(gpu::KernelIndex kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
                    const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) final {
     do_dispatch(KernelId(kernel), threadgroups, threads, args, args_size, bindings, threadgroup_bytes);
