@@ -452,7 +452,7 @@ class CudaBackend final : public Backend {
                          stream_>>>(
         lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), act(Act::xn), H, route_ids_, K, hbuf_,
         imax_);
-    moe_down_kernel<<<(H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, (K + 1) * imax_ * 4, stream_>>>(
+    moe_down_kernel<<<(H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, ((K + 1) * imax_ + 2 * K) * 4, stream_>>>(
         lin(M.down), lin(M.shared_down), hbuf_, imax_, route_ids_, route_w_, shared_logit_, K, act(Act::x));
   }
 

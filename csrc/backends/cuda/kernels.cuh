@@ -177,15 +177,33 @@ __device__ __forceinline__ void warp_dot_rows(const LinDev& W, const int* e, con
   for (int i = 0; i < R; ++i) out[i] = warp_sum(acc[i]);
 }
 
+// n floats (a multiple of 4, 16-byte aligned) from global into shared memory, each thread's float4 loads issued
+// together (a loop of dependent load/store pairs costs a memory latency per element the thread copies);
+// returns this thread's sum of squares of what it copied.
+__device__ __forceinline__ float stage(const float* src, int n, float* dst) {
+  constexpr int kBatch = 8;
+  float ss = 0.f;
+  for (int base = threadIdx.x * 4; base < n; base += blockDim.x * 4 * kBatch) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * blockDim.x * 4;
+      v[b] = i < n ? *reinterpret_cast<const float4*>(src + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * blockDim.x * 4;
+      if (i < n) *reinterpret_cast<float4*>(dst + i) = v[b];
+      ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+    }
+  }
+  return ss;
+}
+
 // x (cols floats) into shared memory, RMSNorm'd by `norm` when given (norm == nullptr: copied as is).
 __device__ __forceinline__ void stage_row(const float* x, int cols, const float* norm, float eps, float* xs,
                                           float* scratch32) {
-  float ss = 0.f;
-  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-    const float v = x[j];
-    xs[j] = v;
-    ss += v * v;
-  }
+  const float ss = stage(x, cols, xs);
   if (norm) {
     const float inv = rsqrtf(block_sum(ss, scratch32) / float(cols) + eps);
     for (int j = threadIdx.x; j < cols; j += blockDim.x) xs[j] = xs[j] * inv * norm[j];
@@ -510,8 +528,10 @@ __global__ void attention_combine_kernel(const float* part, int splits, int d, c
   const int h = blockIdx.x, c = threadIdx.x;
   const float* ph = part + int64_t(h) * splits * (d + 2);
   float mx = -INFINITY;
+#pragma unroll 16
   for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ph[s * (d + 2)]);
   float l = 0.f, o = 0.f;
+#pragma unroll 16
   for (int s = 0; s < splits; ++s) {
     const float ms = ph[s * (d + 2)];
     if (ms == -INFINITY) continue;
@@ -806,7 +826,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_gate_up_kernel(LinDev gat
                                                                        const int32_t* ids, int K, float* h,
                                                                        int ldh) {
   extern __shared__ float xs[];
-  for (int j = threadIdx.x; j < H; j += blockDim.x) xs[j] = xn[j];
+  stage(xn, H, xs);
   __syncthreads();
   const int slot = blockIdx.y, r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
   const bool shared = slot == K;
@@ -835,8 +855,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_gate_up_kernel(LinDev gat
 __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, LinDev sdown, const float* h, int ldh,
                                                                     const int32_t* ids, const float* w,
                                                                     const float* sg, int K, float* x) {
-  extern __shared__ float hs[];
-  for (int j = threadIdx.x; j < (K + 1) * ldh; j += blockDim.x) hs[j] = h[j];
+  extern __shared__ float hs[];  // [(K + 1) · ldh] h, then the K routing weights and expert ids
+  float* ws = hs + (K + 1) * ldh;
+  int* es = reinterpret_cast<int*>(ws + K);
+  stage(h, (K + 1) * ldh, hs);
+  if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
   __syncthreads();
   const int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (r >= down.rows) return;
@@ -849,19 +872,19 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, 
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const int it = min(it0 + 32 * b, items - 1), j = it / n, c0 = (it % n) * 32;
-        c[b] = j < K ? load_q4(down, ids[j], r, c0) : load_q4(sdown, 0, r, c0);
+        c[b] = j < K ? load_q4(down, es[j], r, c0) : load_q4(sdown, 0, r, c0);
       }
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const int it = it0 + 32 * b;
         if (it >= items) break;
         const int j = it / n, c0 = (it % n) * 32;
-        acc += (j < K ? w[j] : shared_w) * dot_q4(c[b], hs + j * ldh + c0, 0.f);
+        acc += (j < K ? ws[j] : shared_w) * dot_q4(c[b], hs + j * ldh + c0, 0.f);
       }
     }
     acc = warp_sum(acc);
   } else {
-    for (int j = 0; j < K; ++j) acc += w[j] * warp_dot_row(down, ids[j], r, hs + j * ldh);
+    for (int j = 0; j < K; ++j) acc += ws[j] * warp_dot_row(down, es[j], r, hs + j * ldh);
     acc += shared_w * warp_dot_row(sdown, 0, r, hs + K * ldh);
   }
   if (lane == 0) x[r] += acc;
