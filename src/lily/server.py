@@ -198,6 +198,8 @@ def _schemas():
         parallel_tool_calls: Optional[bool] = None
         response_format: Optional[ResponseFormat] = None
         chat_template_kwargs: Optional[dict[str, Any]] = None
+        enable_thinking: Optional[bool] = None     # as chat_template_kwargs.enable_thinking (vLLM, SGLang)
+        preserve_thinking: Optional[bool] = None   # as chat_template_kwargs.preserve_thinking
         reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
         modalities: Optional[list[str]] = None
         audio: Optional[dict[str, Any]] = None
@@ -382,6 +384,7 @@ class ServerConfig:
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
     cache_sessions: int = DEFAULT_CACHE_SESSIONS
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    preserve_thinking: bool = False  # the default of requests that do not say (lily serve --preserve-thinking)
 
 
 class LilyServer:
@@ -471,6 +474,7 @@ class LilyServer:
         bad = sorted(set(kw) & _RESERVED_TEMPLATE_KWARGS)
         if bad:
             raise APIError(400, f"chat_template_kwargs cannot set {', '.join(bad)}", param="chat_template_kwargs")
+        _top_level_template_switches(req, kw, self.config.preserve_thinking)
         thinking = kw.pop("enable_thinking", None)
         if thinking is not None and not isinstance(thinking, bool):
             raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean",
@@ -657,6 +661,19 @@ class LilyServer:
 
 
 # ============================================================================================ template input
+def _top_level_template_switches(req, kw: dict, default_preserve: bool) -> None:
+    """Moves the request's top-level enable_thinking / preserve_thinking into the template kwargs `kw` (one value
+    per switch: the two places may not disagree); preserve_thinking defaults to the server's."""
+    for name in ("enable_thinking", "preserve_thinking"):
+        top = getattr(req, name)
+        if top is not None and name in kw and kw[name] != top:
+            raise APIError(400, f"{name} is {top} but chat_template_kwargs.{name} is {kw[name]!r}", param=name)
+        if top is not None:
+            kw[name] = top
+    if default_preserve:
+        kw.setdefault("preserve_thinking", True)
+
+
 def _template_message(i: int, m) -> dict:
     """An OpenAI chat message as the chat template wants it."""
     where = f"messages[{i}]"
@@ -793,11 +810,13 @@ class _OutputParser:
 def create_app(engine: "Engine", *, model_name: str | None = None, api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT, cache_sessions: int = DEFAULT_CACHE_SESSIONS,
-               cache_bytes: int = DEFAULT_CACHE_BYTES):
+               cache_bytes: int = DEFAULT_CACHE_BYTES, preserve_thinking: bool = False):
     """The ASGI app (FastAPI) serving `engine`. api_key: require `Authorization: Bearer <api_key>` (every route
     but /health). max_queue: requests that may wait while one runs. max_body_bytes: the largest request body.
     max_tokens_limit: the largest max_tokens a request may ask for (also the default when it asks for none,
-    within the context). cache_sessions / cache_bytes: the prefix cache's bounds (0 sessions turns it off)."""
+    within the context). cache_sessions / cache_bytes: the prefix cache's bounds (0 sessions turns it off).
+    preserve_thinking: render earlier answers with their reasoning unless a request says otherwise (the history
+    stays as generated, so an agent's every turn reuses the cached state of the previous one)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -812,7 +831,7 @@ def create_app(engine: "Engine", *, model_name: str | None = None, api_key: str 
 
     name = model_name or _default_model_name(engine)
     cfg = ServerConfig(name, api_key, max(0, max_queue), max_body_bytes, max(1, max_tokens_limit), cache_sessions,
-                       cache_bytes)
+                       cache_bytes, preserve_thinking)
     server = LilyServer(engine, cfg)
     engine.tokenizer  # loaded here, not raced for by the first requests' threads
 
@@ -1247,6 +1266,10 @@ needs the server extra: pip install 'lily[server]'""")
                    help=f"sessions kept for prefix reuse, 0 = off (default: {DEFAULT_CACHE_SESSIONS})")
     p.add_argument("--cache-gb", type=float, default=DEFAULT_CACHE_BYTES / (1 << 30),
                    help=f"model state kept for prefix reuse, GiB (default: {DEFAULT_CACHE_BYTES / (1 << 30):g})")
+    p.add_argument("--preserve-thinking", action="store_true",
+                   help="render earlier answers with their reasoning (chat_template_kwargs.preserve_thinking) unless "
+                        "a request says otherwise: the history stays as generated and each turn of an agent "
+                        "prefills only its new messages (Qwen recommends it for agents)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
     return p
@@ -1265,5 +1288,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(engine, host=args.host, port=args.port, log_level=args.log_level,
           model_name=args.served_model_name or args.model, api_key=args.api_key or os.environ.get("LILY_API_KEY"),
           max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
-          cache_sessions=args.cache_sessions, cache_bytes=int(args.cache_gb * (1 << 30)))
+          cache_sessions=args.cache_sessions, cache_bytes=int(args.cache_gb * (1 << 30)),
+          preserve_thinking=args.preserve_thinking)
     return 0
