@@ -7,7 +7,8 @@ import sys
 import time
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model / backend / threads block every command that loads a model shares (load_engine reads it)."""
     p.add_argument("--model", "-m", default="synthetic:tiny",
                    help="model directory, hub repo id, or synthetic:<tiny|small|medium|full> (default: synthetic:tiny)")
     p.add_argument("--backend", default="reference", help="reference (CPU), metal (Apple), metal-emu (emulated Metal)")
@@ -15,32 +16,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    from . import sampling
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
-    g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most")
-    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None, help="0 = off")
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None, help="Hugging Face semantics (prompt + output)")
-    g.add_argument("--presence-penalty", type=float, default=None, help="OpenAI semantics (output)")
-    g.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI semantics (output)")
-    g.add_argument("--seed", type=int, default=None, help="same seed, same text")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_arguments(g)
     g.add_argument("--no-thinking", action="store_true", help="chat template with enable_thinking=False")
 
 
 def _sampling(args) -> dict:
-    kw = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                         "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")}
-    kw["stop"] = args.stop
-    return kw
+    from . import sampling
+    return sampling.from_arguments(args)
 
 
-def _load(args):
+def load_engine(args, **engine_kwargs):
+    """The Engine of add_model_args' flags, timing the load on stderr."""
     from .engine import Engine
     t0 = time.perf_counter()
     print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, end="", flush=True)
-    engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads)
+    engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads, **engine_kwargs)
     print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return engine
 
@@ -51,7 +43,7 @@ def _style(on: bool):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = _load(args)
+    engine = load_engine(args)
     kw = _sampling(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if args.chat and args.no_thinking:
@@ -90,7 +82,7 @@ answer), /save PATH, /load PATH, /help, /quit"""
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .session import Session
-    engine = _load(args)
+    engine = load_engine(args)
     kw = _sampling(args)
     if args.no_thinking:
         kw["enable_thinking"] = False
@@ -203,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
   lily generate -t 0 --max-tokens 32 "Once upon a time"          # greedy
   lily generate --seed 1 --top-p 0.9 --stop "\\n\\n" "Hello"       # same seed, same text
   lily generate --json --logprobs --top-logprobs 3 "Hello" | jq .text""")
-    _add_model_args(g)
+    add_model_args(g)
     g.add_argument("prompt")
     _add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
@@ -220,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 """ + CHAT_HELP + """
 Each turn prefills only what follows the cached conversation; thinking is shown dimmed.""")
-    _add_model_args(ch)
+    add_model_args(ch)
     _add_sampling_args(ch)
     ch.add_argument("--system", default=None, help="system message")
     ch.add_argument("--no-color", action="store_true", help="do not dim the thinking")

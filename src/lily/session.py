@@ -169,9 +169,11 @@ class Session:
                 return
             self.snapshots.remove(min(victims, key=lambda s: s.last_used))
 
-    def _plan(self, ids: list[int]) -> _Plan:
-        """The resume point for a prompt: the live state or the snapshot whose tokens are the longest prefix of
-        `ids`, leaving at least one token to feed unless the snapshot kept the logits of the whole prompt."""
+    def resume_point(self, ids) -> tuple[int, Snapshot | None]:
+        """Where a prompt would resume: (prompt tokens already held, the snapshot holding them or None for the
+        live state); the live state or the snapshot whose tokens are the longest prefix of `ids`, leaving at
+        least one token to feed unless the snapshot kept the logits of the whole prompt. (-1, None): neither
+        is a prefix of `ids` (a fresh state)."""
         n = len(ids)
         live = self._core.tokens
         best_len, best = -1, None
@@ -182,6 +184,13 @@ class Session:
             usable = k < n or (k == n and s.logits is not None)
             if usable and k > best_len and _common_prefix(s.tokens, ids) == k:
                 best_len, best = k, s
+        return best_len, best
+
+    def _plan(self, ids: list[int]) -> _Plan:
+        """The resume point for a prompt (resume_point) and how to undo the request."""
+        n = len(ids)
+        live = self._core.tokens
+        best_len, best = self.resume_point(ids)
         if best is None and best_len >= 0:
             # Extend the live state in place; a copy taken now restores it if the request fails.
             backup = self._snapshot_of(self._core, "turn") if len(live) else None
