@@ -27,9 +27,11 @@ Method (the write-up's sweep):
   the session and its fork, for each engine, plus MLX's attention scores for one prefill step) against the
   available memory; skipped lengths are reported with the reason.
 
-MLX-LM is an optional comparison engine, imported only for --vs mlx-lm (pip install mlx-lm; on Linux also
-mlx[cpu]). On Apple silicon it runs on the GPU in the checkpoint's dtype; elsewhere on MLX's CPU backend with the
-floating parameters cast to float32 (the CPU backend cannot run bf16 MoE), which is slow and only a CPU figure.
+MLX-LM is an optional comparison engine (lily.mlx_lm_runner, shared with `lily eval`), imported only for
+--vs mlx-lm. On Apple silicon it runs on the GPU in the checkpoint's dtype; elsewhere on MLX's CPU backend with
+the floating parameters cast to float32, which is slow and only a CPU figure: the table and the plot say so.
+
+A run stopped with Ctrl-C returns (and `lily bench --json` writes) what finished, with "interrupted": true.
 """
 from __future__ import annotations
 

@@ -2,14 +2,14 @@
 offsets found here), the converter's and the synthetic writer's shards, and session files.
 
 The `safetensors` package is not used at run time, for measured and structural reasons (safetensors 0.8.0, on
-synthetic:medium's 357 tensors and on the real layouts): its Python API exposes no data offsets, which the C++
+synthetic:medium's 357 tensors): its Python API exposes no data offsets, which the C++
 side needs to map the weights in place (safe_open gives dtype and shape only; parsing all of medium's headers
 took 0.73 ms with it and 1.3 ms here, while read_checkpoint takes 2-8 ms and the engine 23-53 ms to start,
 with RSS 77 MB for medium's 755 MB of mapped weights, so nothing is gained by parsing the headers twice);
 its numpy API refuses BF16 (numpy has no bfloat16: the 4-bit layouts' scales and the KV state are BF16), where
 here BF16 comes back as its uint16 bits; serialize_file needs every tensor in memory at once (19.5 GB for
 synthetic:full), where ShardedWriter streams row ranges into preallocated shards; and its low-level serialize
-API changed incompatibly between 0.4 and 0.8 (dicts of bytes, then TensorSpec raw pointers). The tests read
+API takes raw pointers (TensorSpec) in 0.8 where earlier versions took dicts of bytes. The tests read
 what this module writes back with the package (tests/test_convert.py), an independent reader.
 
 Every check names the file and the tensor: a truncated file, a header whose offsets leave the file or disagree
