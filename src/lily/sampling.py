@@ -24,7 +24,8 @@ class SamplingOptions:
     temperature: Optional[float] = _option("0 = greedy", api={"ge": 0, "le": 2}, neutral=1.0, flags=("-t",))
     top_p: Optional[float] = _option("nucleus: the smallest set of tokens holding this probability mass",
                                      api={"ge": 0, "le": 1}, neutral=1.0)
-    top_k: Optional[int] = _option("the k most likely tokens (0 = off)", api={"ge": -1}, neutral=0)
+    top_k: Optional[int] = _option("the k most likely tokens (0 = off; requests may also send -1)", api={"ge": -1},
+                                   neutral=0)
     min_p: Optional[float] = _option("tokens below this fraction of the most likely one's probability are dropped",
                                      api={"ge": 0, "le": 1}, neutral=0.0)
     repetition_penalty: Optional[float] = _option("Hugging Face semantics (prompt + output)",
