@@ -144,9 +144,10 @@ template <int D, int MODE, bool PREP>
                           device const float* k_norm [[buffer(ATTN_K_NORM)]],
                           uint3 tg [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]],
-                          uint ntid [[threads_per_threadgroup]],  // never a dispatch tail: dispatchThreadgroups
+                          uint3 ntg [[threads_per_threadgroup]],  // never a dispatch tail: dispatchThreadgroups
                           uint sg [[simdgroup_index_in_threadgroup]],
                           uint lane [[thread_index_in_simdgroup]]) {
+  const uint ntid = ntg.x * ntg.y * ntg.z;  // uint3 like tg: a kernel's grid attributes share one component count
   constexpr int BK = D >= 256 ? LILY_ATTN_TILE_KEYS_D256 : LILY_ATTN_TILE_KEYS;
   constexpr int LPK = 32 / BK;             // lanes per key in the score phase
   constexpr int DP = D / LPK;              // dims of one key's dot product one lane covers
@@ -318,18 +319,7 @@ template <int D, int MODE, bool PREP>
   out[ulong(h) * d + e] = bfloat(o / l * (1.0f / (1.0f + exp(-g))));
 }
 
-#define LILY_ATTN_SIG                                                                                         \
-  constant AttnArgs&, device const bfloat*, device const bfloat*, device bfloat*, device bfloat*, device bfloat*, \
-      device float*, device float*, device const bfloat*, device const bfloat*, device const float*,               \
-      device const float*, uint3, uint, uint, uint, uint
-#define LILY_ATTN_INSTANTIATE(D)                                                                                      \
-  template [[host_name("attn_prefill_bf16_d" #D)]] [[kernel]] void attn_impl<D, 0, false>(LILY_ATTN_SIG);            \
-  template [[host_name("attn_decode_bf16_d" #D)]] [[kernel]] void attn_impl<D, 1, false>(LILY_ATTN_SIG);             \
-  template [[host_name("attn_decode_split_bf16_d" #D)]] [[kernel]] void attn_impl<D, 2, false>(LILY_ATTN_SIG);       \
-  template [[host_name("attn_decode_prep_bf16_d" #D)]] [[kernel]] void attn_impl<D, 1, true>(LILY_ATTN_SIG);        \
-  template [[host_name("attn_decode_split_prep_bf16_d" #D)]] [[kernel]] void attn_impl<D, 2, true>(LILY_ATTN_SIG);
+// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
 
-LILY_ATTN_INSTANTIATE(32)
-LILY_ATTN_INSTANTIATE(64)
-LILY_ATTN_INSTANTIATE(128)
-LILY_ATTN_INSTANTIATE(256)
+#define LILY_DEFINES_attn_impl LILY_DEFINED
+#include "instantiate.h"

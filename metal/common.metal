@@ -148,14 +148,7 @@ kernel void copy_rows(constant CopyArgs& args [[buffer(0)]],
   dst[ulong(tg.y) * (args.dst_stride / 16) + i] = src[ulong(tg.y) * (args.src_stride / 16) + i];
 }
 
-// ---------------------------------------------------------------- instantiations (metal/kernels.def, common)
+// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
 
-template [[host_name("embed_q4_f32")]] [[kernel]] void embed<LILY_W_Q4>(
-    constant EmbedArgs&, device const uchar*, device const bfloat*, device const bfloat*, device const int*,
-    device float*, uint2, uint);
-template [[host_name("embed_q8_f32")]] [[kernel]] void embed<LILY_W_Q8>(
-    constant EmbedArgs&, device const uchar*, device const bfloat*, device const bfloat*, device const int*,
-    device float*, uint2, uint);
-template [[host_name("embed_bf16_f32")]] [[kernel]] void embed<LILY_W_BF16>(
-    constant EmbedArgs&, device const uchar*, device const bfloat*, device const bfloat*, device const int*,
-    device float*, uint2, uint);
+#define LILY_DEFINES_embed LILY_DEFINED
+#include "instantiate.h"

@@ -77,22 +77,20 @@ inline float gdn_column_step(thread float* S, thread const float* q, thread cons
 // after. Threadgroup (x, y) owns slots [x·HEADS, x·HEADS + HEADS) of rows [y·ROWS, y·ROWS + ROWS). Only the
 // threadgroups of row block 0 read or write the conv state (the others take their history from qkv), so
 // the state may be shifted in place without a race: the rows it receives are inputs, never outputs.
-// T: the activation type (bfloat).
-template <typename T>
-kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
-                     device const T* qkv [[buffer(GDN_QKV)]],
-                     device const T* b [[buffer(GDN_B)]],
-                     device const T* a [[buffer(GDN_A)]],
-                     device const float* conv_w [[buffer(GDN_CONV_W)]],
-                     device const float* A_log [[buffer(GDN_A_LOG)]],
-                     device const float* dt_bias [[buffer(GDN_DT_BIAS)]],
-                     device const float* conv_state [[buffer(GDN_CONV_STATE)]],
-                     device float* conv_out [[buffer(GDN_CONV_STATE_OUT)]],
-                     device T* qkvc [[buffer(GDN_QKVC)]],
-                     device float2* gates [[buffer(GDN_GATES)]],
-                     uint2 tg [[threadgroup_position_in_grid]],
-                     uint sg [[simdgroup_index_in_threadgroup]],
-                     uint lane [[thread_index_in_simdgroup]]) {
+kernel void gdn_conv_bf16(constant GdnArgs& args [[buffer(0)]],
+                          device const bfloat* qkv [[buffer(GDN_QKV)]],
+                          device const bfloat* b [[buffer(GDN_B)]],
+                          device const bfloat* a [[buffer(GDN_A)]],
+                          device const float* conv_w [[buffer(GDN_CONV_W)]],
+                          device const float* A_log [[buffer(GDN_A_LOG)]],
+                          device const float* dt_bias [[buffer(GDN_DT_BIAS)]],
+                          device const float* conv_state [[buffer(GDN_CONV_STATE)]],
+                          device float* conv_out [[buffer(GDN_CONV_STATE_OUT)]],
+                          device bfloat* qkvc [[buffer(GDN_QKVC)]],
+                          device float2* gates [[buffer(GDN_GATES)]],
+                          uint2 tg [[threadgroup_position_in_grid]],
+                          uint sg [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]]) {
   const int slot = int(tg.x) * LILY_GDN_CONV_HEADS + int(sg);
   const int nk = args.nk, C = args.C;
   if (slot >= 2 * nk + args.nv) return;
@@ -126,7 +124,7 @@ kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
       ss += x[r] * x[r];
     }
     const float inv = is_v ? 1.0f : gdn_inv_l2(ss) * scale;  // uniform per simdgroup: no divergence
-    for (int r = 0; r < GDN_R && r < nr; ++r) qkvc[long(t) * C + base + int(lane) + LILY_SIMD_WIDTH * r] = T(x[r] * inv);
+    for (int r = 0; r < GDN_R && r < nr; ++r) qkvc[long(t) * C + base + int(lane) + LILY_SIMD_WIDTH * r] = bfloat(x[r] * inv);
     if (is_v && lane == 0) {
       const long i = long(t) * args.nv + vh;
       gates[i] = gdn_gates(float(b[i]), float(a[i]), A_log[vh], dt_bias[vh]);
@@ -148,17 +146,16 @@ kernel void gdn_conv(constant GdnArgs& args [[buffer(0)]],
 // Threadgroup (x, y) owns columns [x·COLUMNS, x·COLUMNS + COLUMNS) of value head y; simdgroup sg one column.
 // The column is read from the state once before the scan and written once after it: no per-token state
 // traffic, and no threadgroup memory or barriers (the simdgroups of a threadgroup share q/k rows through
-// the cache only). T: the activation type of qkvc (bfloat).
-template <typename T>
-kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
-                     device const T* qkvc [[buffer(GDN_QKVC)]],
-                     device const float2* gates [[buffer(GDN_GATES)]],
-                     device const float* state [[buffer(GDN_REC_STATE)]],
-                     device float* state_out [[buffer(GDN_REC_STATE_OUT)]],
-                     device float* o [[buffer(GDN_O)]],
-                     uint2 tg [[threadgroup_position_in_grid]],
-                     uint sg [[simdgroup_index_in_threadgroup]],
-                     uint lane [[thread_index_in_simdgroup]]) {
+// the cache only).
+kernel void gdn_scan_bf16(constant GdnArgs& args [[buffer(0)]],
+                          device const bfloat* qkvc [[buffer(GDN_QKVC)]],
+                          device const float2* gates [[buffer(GDN_GATES)]],
+                          device const float* state [[buffer(GDN_REC_STATE)]],
+                          device float* state_out [[buffer(GDN_REC_STATE_OUT)]],
+                          device float* o [[buffer(GDN_O)]],
+                          uint2 tg [[threadgroup_position_in_grid]],
+                          uint sg [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]]) {
   const int h = int(tg.y);
   const int j = int(tg.x) * LILY_GDN_SCAN_COLUMNS + int(sg);
   const int dk = args.dk, dv = args.dv, nv = args.nv, C = args.C;
@@ -170,9 +167,9 @@ kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
     const int i = int(lane) + LILY_SIMD_WIDTH * r;
     S[r] = i < dk ? state[column + long(i) * dv] : 0.0f;
   }
-  device const T* qrow = qkvc + kh * dk + int(lane);
-  device const T* krow = qkvc + Kd + kh * dk + int(lane);
-  device const T* vrow = qkvc + 2 * Kd + h * dv + j;
+  device const bfloat* qrow = qkvc + kh * dk + int(lane);
+  device const bfloat* krow = qkvc + Kd + kh * dk + int(lane);
+  device const bfloat* vrow = qkvc + 2 * Kd + h * dv + j;
   for (int t = 0; t < args.T; ++t) {
     float q[GDN_R], k[GDN_R];
     for (int r = 0; r < GDN_R; ++r) {
@@ -193,16 +190,15 @@ kernel void gdn_scan(constant GdnArgs& args [[buffer(0)]],
 // ---------------------------------------------------------------- prefill: gated RMSNorm
 
 // y = w · o · rsqrt(mean(o²) + eps) · SiLU(z) over d_v. Threadgroup (x, y) owns value heads
-// [x·HEADS, x·HEADS + HEADS) of row y; simdgroup sg one head. T: the type of z and out (bfloat).
-template <typename T>
-kernel void gdn_gated_norm(constant GdnArgs& args [[buffer(0)]],
-                           device const float* o [[buffer(GDN_O)]],
-                           device const T* z [[buffer(GDN_Z)]],
-                           device const float* norm_w [[buffer(GDN_NORM_W)]],
-                           device T* out [[buffer(GDN_OUT)]],
-                           uint2 tg [[threadgroup_position_in_grid]],
-                           uint sg [[simdgroup_index_in_threadgroup]],
-                           uint lane [[thread_index_in_simdgroup]]) {
+// [x·HEADS, x·HEADS + HEADS) of row y; simdgroup sg one head.
+kernel void gdn_gated_norm_bf16(constant GdnArgs& args [[buffer(0)]],
+                                device const float* o [[buffer(GDN_O)]],
+                                device const bfloat* z [[buffer(GDN_Z)]],
+                                device const float* norm_w [[buffer(GDN_NORM_W)]],
+                                device bfloat* out [[buffer(GDN_OUT)]],
+                                uint2 tg [[threadgroup_position_in_grid]],
+                                uint sg [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]]) {
   const int h = int(tg.x) * LILY_GDN_NORM_HEADS + int(sg);
   if (h >= args.nv) return;
   const int dv = args.dv, nr = dv / LILY_SIMD_WIDTH;
@@ -216,7 +212,7 @@ kernel void gdn_gated_norm(constant GdnArgs& args [[buffer(0)]],
   const float inv = 1.0f / sqrt(simd_sum(ss) / float(dv) + args.eps);
   for (int r = 0; r < GDN_R && r < nr; ++r) {
     const int i = int(lane) + LILY_SIMD_WIDTH * r;
-    out[row + LILY_SIMD_WIDTH * r] = T(x[r] * inv * norm_w[i] * gdn_silu(float(z[row + LILY_SIMD_WIDTH * r])));
+    out[row + LILY_SIMD_WIDTH * r] = bfloat(x[r] * inv * norm_w[i] * gdn_silu(float(z[row + LILY_SIMD_WIDTH * r])));
   }
 }
 
@@ -226,27 +222,26 @@ kernel void gdn_gated_norm(constant GdnArgs& args [[buffer(0)]],
 // (no other threadgroup reads them, so the conv state may be shifted in place), the G·d_v state columns and the G
 // gated norms. Phases, separated by barriers: conv + SiLU + gates → l2-norm of q and k (simdgroups 0, 1) →
 // state columns (simdgroup sg takes columns sg, sg + SIMDGROUPS, ...; the same column step as gdn_scan) →
-// gated norm (simdgroup g < G normalises value head x·G + g). Values are rounded to T where gdn_conv
-// stores them, so a decode step equals a one-row prefill. T: the activation type (bfloat).
-template <typename T>
-kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
-                     device const T* qkv [[buffer(GDN_QKV)]],
-                     device const T* z [[buffer(GDN_Z)]],
-                     device const T* b [[buffer(GDN_B)]],
-                     device const T* a [[buffer(GDN_A)]],
-                     device const float* conv_w [[buffer(GDN_CONV_W)]],
-                     device const float* A_log [[buffer(GDN_A_LOG)]],
-                     device const float* dt_bias [[buffer(GDN_DT_BIAS)]],
-                     device const float* norm_w [[buffer(GDN_NORM_W)]],
-                     device const float* conv_state [[buffer(GDN_CONV_STATE)]],
-                     device const float* state [[buffer(GDN_REC_STATE)]],
-                     device T* out [[buffer(GDN_OUT)]],
-                     device float* conv_out [[buffer(GDN_CONV_STATE_OUT)]],
-                     device float* state_out [[buffer(GDN_REC_STATE_OUT)]],
-                     uint tgx [[threadgroup_position_in_grid]],
-                     uint tid [[thread_index_in_threadgroup]],
-                     uint sg [[simdgroup_index_in_threadgroup]],
-                     uint lane [[thread_index_in_simdgroup]]) {
+// gated norm (simdgroup g < G normalises value head x·G + g). Values are rounded to bfloat where gdn_conv
+// stores them, so a decode step equals a one-row prefill.
+kernel void gdn_step_bf16(constant GdnArgs& args [[buffer(0)]],
+                          device const bfloat* qkv [[buffer(GDN_QKV)]],
+                          device const bfloat* z [[buffer(GDN_Z)]],
+                          device const bfloat* b [[buffer(GDN_B)]],
+                          device const bfloat* a [[buffer(GDN_A)]],
+                          device const float* conv_w [[buffer(GDN_CONV_W)]],
+                          device const float* A_log [[buffer(GDN_A_LOG)]],
+                          device const float* dt_bias [[buffer(GDN_DT_BIAS)]],
+                          device const float* norm_w [[buffer(GDN_NORM_W)]],
+                          device const float* conv_state [[buffer(GDN_CONV_STATE)]],
+                          device const float* state [[buffer(GDN_REC_STATE)]],
+                          device bfloat* out [[buffer(GDN_OUT)]],
+                          device float* conv_out [[buffer(GDN_CONV_STATE_OUT)]],
+                          device float* state_out [[buffer(GDN_REC_STATE_OUT)]],
+                          uint tgx [[threadgroup_position_in_grid]],
+                          uint tid [[thread_index_in_threadgroup]],
+                          uint sg [[simdgroup_index_in_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float qk_tg[2 * LILY_GDN_MAX_HEAD_DIM];                   // q ‖ k of key head x
   threadgroup float v_tg[LILY_GDN_MAX_GROUP * LILY_GDN_MAX_HEAD_DIM];   // v of the group's value heads
   threadgroup float o_tg[LILY_GDN_MAX_GROUP * LILY_GDN_MAX_HEAD_DIM];   // Sᵀq of the group's value heads
@@ -269,7 +264,7 @@ kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
     for (int j = 0; j + 1 < GDN_HIST; ++j) conv_out[j * C + c] = hist[j + 1];
     conv_out[(GDN_HIST - 1) * C + c] = u;
     if (l < 2 * dk) qk_tg[l] = x;
-    else v_tg[l - 2 * dk] = float(T(x));
+    else v_tg[l - 2 * dk] = float(bfloat(x));
   }
   if (int(tid) < G) {
     const int h = kh * G + int(tid);
@@ -291,7 +286,7 @@ kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
     const float inv = gdn_inv_l2(ss) * (sg == 0 ? args.q_scale : 1.0f);
     for (int r = 0; r < GDN_R && r < nr; ++r) {
       threadgroup float* e = x + int(lane) + LILY_SIMD_WIDTH * r;
-      *e = float(T(*e * inv));
+      *e = float(bfloat(*e * inv));
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -331,24 +326,7 @@ kernel void gdn_step(constant GdnArgs& args [[buffer(0)]],
     const float inv = 1.0f / sqrt(simd_sum(ss) / float(dv) + args.eps);
     for (int r = 0; r < GDN_R && r < nr; ++r) {
       const int i = int(lane) + LILY_SIMD_WIDTH * r;
-      out[h * dv + i] = T(x[r] * inv * norm_w[i] * gdn_silu(float(z[h * dv + i])));
+      out[h * dv + i] = bfloat(x[r] * inv * norm_w[i] * gdn_silu(float(z[h * dv + i])));
     }
   }
 }
-
-// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
-
-template [[host_name("gdn_conv_bf16")]] [[kernel]] void gdn_conv<bfloat>(
-    constant GdnArgs&, device const bfloat*, device const bfloat*, device const bfloat*, device const float*,
-    device const float*, device const float*, device const float*, device float*, device bfloat*, device float2*,
-    uint2, uint, uint);
-template [[host_name("gdn_scan_bf16")]] [[kernel]] void gdn_scan<bfloat>(
-    constant GdnArgs&, device const bfloat*, device const float2*, device const float*, device float*, device float*,
-    uint2, uint, uint);
-template [[host_name("gdn_gated_norm_bf16")]] [[kernel]] void gdn_gated_norm<bfloat>(
-    constant GdnArgs&, device const float*, device const bfloat*, device const float*, device bfloat*, uint2, uint,
-    uint);
-template [[host_name("gdn_step_bf16")]] [[kernel]] void gdn_step<bfloat>(
-    constant GdnArgs&, device const bfloat*, device const bfloat*, device const bfloat*, device const bfloat*,
-    device const float*, device const float*, device const float*, device const float*, device const float*,
-    device const float*, device bfloat*, device float*, device float*, uint, uint, uint, uint);

@@ -357,8 +357,9 @@ kernel void moe_gemm_gate_up(constant MoeGemmArgs& args [[buffer(0)]],
                              device bfloat* h [[buffer(LILY_MOE_GEMM_OUT)]],
                              uint2 tg [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
-                             uint nthreads [[threads_per_threadgroup]],
+                             uint2 ntg [[threads_per_threadgroup]],
                              uint sg [[simdgroup_index_in_threadgroup]]) {
+  const uint nthreads = ntg.x * ntg.y;  // uint2 like tg: a kernel's grid attributes share one component count
   int expert, first, rows;
   if (!moe_block(args, blocks, int(tg.y), BM, expert, first, rows)) return;  // uniform per threadgroup
   const int n0 = int(tg.x) * LILY_MOE_GEMM_BN;
@@ -406,8 +407,9 @@ kernel void moe_gemm_down(constant MoeGemmArgs& args [[buffer(0)]],
                           device float* y [[buffer(LILY_MOE_GEMM_OUT)]],
                           uint2 tg [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]],
-                          uint nthreads [[threads_per_threadgroup]],
+                          uint2 ntg [[threads_per_threadgroup]],
                           uint sg [[simdgroup_index_in_threadgroup]]) {
+  const uint nthreads = ntg.x * ntg.y;  // uint2 like tg: a kernel's grid attributes share one component count
   int expert, first, rows;
   if (!moe_block(args, blocks, int(tg.y), BM, expert, first, rows)) return;
   const int n0 = int(tg.x) * LILY_MOE_GEMM_BN;
@@ -601,88 +603,6 @@ kernel void moe_gemv_down(constant MoeGemvArgs& args [[buffer(0)]],
     x[r] += acc + moe_sigmoid(shared_logit[0]) * s;
 }
 
-// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
-
-template [[host_name("moe_route_logits_q4")]] [[kernel]] void moe_route_logits<LILY_W_Q4>(
-    constant MoeRouteArgs&, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device float*, uint2, uint, uint);
-template [[host_name("moe_route_logits_q8")]] [[kernel]] void moe_route_logits<LILY_W_Q8>(
-    constant MoeRouteArgs&, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device float*, uint2, uint, uint);
-template [[host_name("moe_route_logits_bf16")]] [[kernel]] void moe_route_logits<LILY_W_BF16>(
-    constant MoeRouteArgs&, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device float*, uint2, uint, uint);
-template [[host_name("moe_gemm_gate_up_q4_bm16")]] [[kernel]] void moe_gemm_gate_up<LILY_W_Q4, 16>(
-    constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_gate_up_q4_bm32")]] [[kernel]] void moe_gemm_gate_up<LILY_W_Q4, 32>(
-    constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_gate_up_q8_bm16")]] [[kernel]] void moe_gemm_gate_up<LILY_W_Q8, 16>(
-    constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_gate_up_q8_bm32")]] [[kernel]] void moe_gemm_gate_up<LILY_W_Q8, 32>(
-    constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_gate_up_bf16_bm16")]] [[kernel]] void moe_gemm_gate_up<LILY_W_BF16, 16>(
-    constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_gate_up_bf16_bm32")]] [[kernel]] void moe_gemm_gate_up<LILY_W_BF16, 32>(
-    constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,
-    device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*,
-    device bfloat*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_down_q4_bm16")]] [[kernel]] void moe_gemm_down<LILY_W_Q4, 16>(
-    constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
-    device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_down_q4_bm32")]] [[kernel]] void moe_gemm_down<LILY_W_Q4, 32>(
-    constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
-    device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_down_q8_bm16")]] [[kernel]] void moe_gemm_down<LILY_W_Q8, 16>(
-    constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
-    device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_down_q8_bm32")]] [[kernel]] void moe_gemm_down<LILY_W_Q8, 32>(
-    constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
-    device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_down_bf16_bm16")]] [[kernel]] void moe_gemm_down<LILY_W_BF16, 16>(
-    constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
-    device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
-template [[host_name("moe_gemm_down_bf16_bm32")]] [[kernel]] void moe_gemm_down<LILY_W_BF16, 32>(
-    constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*,
-    device const bfloat*, device const bfloat*, device float*, uint2, uint, uint, uint);
-template [[host_name("moe_combine")]] [[kernel]] void moe_combine<false>(
-    constant MoeCombineArgs&, device const float*, device const int*, device const float*, device float*,
-    device const float*, device const float*, uint2, uint);
-template [[host_name("moe_combine_weighted")]] [[kernel]] void moe_combine<true>(
-    constant MoeCombineArgs&, device const float*, device const int*, device const float*, device float*,
-    device const float*, device const float*, uint2, uint);
-#define LILY_MOE_GATE_UP_SIG                                                                                  \
-  constant MoeGemvArgs&, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, \
-      device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, \
-      device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, device bfloat*
-template [[host_name("moe_gemv_gate_up_q4")]] [[kernel]] void moe_gemv_gate_up<LILY_W_Q4>(LILY_MOE_GATE_UP_SIG, device const int*, uint2, uint, uint);
-template [[host_name("moe_gemv_gate_up_q8")]] [[kernel]] void moe_gemv_gate_up<LILY_W_Q8>(LILY_MOE_GATE_UP_SIG, device const int*, uint2, uint, uint);
-template [[host_name("moe_gemv_gate_up_bf16")]] [[kernel]] void moe_gemv_gate_up<LILY_W_BF16>(LILY_MOE_GATE_UP_SIG, device const int*, uint2, uint, uint);
-template [[host_name("moe_gemv_gate_up_topk_q4")]] [[kernel]] void moe_gemv_gate_up_topk<LILY_W_Q4>(LILY_MOE_GATE_UP_SIG, device int*, device float*, device const float*, uint2, uint, uint);
-template [[host_name("moe_gemv_gate_up_topk_q8")]] [[kernel]] void moe_gemv_gate_up_topk<LILY_W_Q8>(LILY_MOE_GATE_UP_SIG, device int*, device float*, device const float*, uint2, uint, uint);
-template [[host_name("moe_gemv_gate_up_topk_bf16")]] [[kernel]] void moe_gemv_gate_up_topk<LILY_W_BF16>(LILY_MOE_GATE_UP_SIG, device int*, device float*, device const float*, uint2, uint, uint);
-template [[host_name("moe_gemv_down_q4")]] [[kernel]] void moe_gemv_down<LILY_W_Q4>(
-    constant MoeGemvArgs&, device const bfloat*, device const int*, device const float*, device const float*,
-    device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*,
-    device const bfloat*, device float*, uint, uint, uint);
-template [[host_name("moe_gemv_down_q8")]] [[kernel]] void moe_gemv_down<LILY_W_Q8>(
-    constant MoeGemvArgs&, device const bfloat*, device const int*, device const float*, device const float*,
-    device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*,
-    device const bfloat*, device float*, uint, uint, uint);
-template [[host_name("moe_gemv_down_bf16")]] [[kernel]] void moe_gemv_down<LILY_W_BF16>(
-    constant MoeGemvArgs&, device const bfloat*, device const int*, device const float*, device const float*,
-    device const uchar*, device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*,
-    device const bfloat*, device float*, uint, uint, uint);
-
 #if __METAL_VERSION__ >= 400
 // ---------------------------------------------------------------- prefill: grouped GEMM on Metal 4 tensor ops
 
@@ -728,7 +648,8 @@ kernel void moe_gemm_gate_up_tensor(constant MoeGemmArgs& args [[buffer(0)]],
                                     device bfloat* h [[buffer(LILY_MOE_GEMM_OUT)]],
                                     uint2 tg [[threadgroup_position_in_grid]],
                                     uint tid [[thread_index_in_threadgroup]],
-                                    uint nthreads [[threads_per_threadgroup]]) {
+                                    uint2 ntg [[threads_per_threadgroup]]) {
+  const uint nthreads = ntg.x * ntg.y;  // uint2 like tg: a kernel's grid attributes share one component count
   int expert, first, rows;
   if (!moe_block(args, blocks, int(tg.y), BM, expert, first, rows)) return;  // uniform per threadgroup
   const int n0 = int(tg.x) * LILY_MOE_GEMM_BN;
@@ -771,7 +692,8 @@ kernel void moe_gemm_down_tensor(constant MoeGemmArgs& args [[buffer(0)]],
                                  device float* y [[buffer(LILY_MOE_GEMM_OUT)]],
                                  uint2 tg [[threadgroup_position_in_grid]],
                                  uint tid [[thread_index_in_threadgroup]],
-                                 uint nthreads [[threads_per_threadgroup]]) {
+                                 uint2 ntg [[threads_per_threadgroup]]) {
+  const uint nthreads = ntg.x * ntg.y;  // uint2 like tg: a kernel's grid attributes share one component count
   int expert, first, rows;
   if (!moe_block(args, blocks, int(tg.y), BM, expert, first, rows)) return;
   const int n0 = int(tg.x) * LILY_MOE_GEMM_BN;
@@ -796,26 +718,17 @@ kernel void moe_gemm_down_tensor(constant MoeGemmArgs& args [[buffer(0)]],
   }
 }
 
-#define LILY_MOE_GEMM_GATE_UP_TENSOR(name, FMT, BM)                                                            \
-  template [[host_name(name)]] [[kernel]] void moe_gemm_gate_up_tensor<FMT, BM>(                              \
-      constant MoeGemmArgs&, device const bfloat*, device const int*, device const int4*, device const uchar*,  \
-      device const bfloat*, device const bfloat*, device const uchar*, device const bfloat*, device const bfloat*, \
-      device bfloat*, uint2, uint, uint);
-#define LILY_MOE_GEMM_DOWN_TENSOR(name, FMT, BM)                                                              \
-  template [[host_name(name)]] [[kernel]] void moe_gemm_down_tensor<FMT, BM>(                                 \
-      constant MoeGemmArgs&, device const bfloat*, device const int4*, device const float*, device const uchar*, \
-      device const bfloat*, device const bfloat*, device float*, uint2, uint, uint);
-
-LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q4_bm16", LILY_W_Q4, 16)
-LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q4_bm32", LILY_W_Q4, 32)
-LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q8_bm16", LILY_W_Q8, 16)
-LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_q8_bm32", LILY_W_Q8, 32)
-LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_bf16_bm16", LILY_W_BF16, 16)
-LILY_MOE_GEMM_GATE_UP_TENSOR("moe_gemm_gate_up_tensor_bf16_bm32", LILY_W_BF16, 32)
-LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q4_bm16", LILY_W_Q4, 16)
-LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q4_bm32", LILY_W_Q4, 32)
-LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q8_bm16", LILY_W_Q8, 16)
-LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_q8_bm32", LILY_W_Q8, 32)
-LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_bf16_bm16", LILY_W_BF16, 16)
-LILY_MOE_GEMM_DOWN_TENSOR("moe_gemm_down_tensor_bf16_bm32", LILY_W_BF16, 32)
 #endif  // __METAL_VERSION__ >= 400
+
+// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
+
+#define LILY_DEFINES_moe_route_logits LILY_DEFINED
+#define LILY_DEFINES_moe_gemm_gate_up LILY_DEFINED
+#define LILY_DEFINES_moe_gemm_down LILY_DEFINED
+#define LILY_DEFINES_moe_combine LILY_DEFINED
+#define LILY_DEFINES_moe_gemv_gate_up LILY_DEFINED
+#define LILY_DEFINES_moe_gemv_gate_up_topk LILY_DEFINED
+#define LILY_DEFINES_moe_gemv_down LILY_DEFINED
+#define LILY_DEFINES_moe_gemm_gate_up_tensor LILY_DEFINED
+#define LILY_DEFINES_moe_gemm_down_tensor LILY_DEFINED
+#include "instantiate.h"

@@ -122,14 +122,7 @@ kernel void proj_norm(constant ProjArgs& args [[buffer(0)]],
   }
 }
 
-// ---------------------------------------------------------------- instantiations (metal/kernels.def, proj)
+// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
 
-#define LILY_PROJ_NORM(name, OUT)                                                                            \
-  template [[host_name(name)]] [[kernel]] void proj_norm<OUT>(                                               \
-      constant ProjArgs&, device const float*, device const float*, device bfloat*, device const uchar*,     \
-      device const uchar*, device const uchar*, device const uchar*, device const uchar*, device const uchar*, \
-      device const uchar*, device const uchar*, device const uchar*, device const uchar*, device const uchar*, \
-      device const uchar*, device uchar*, device uchar*, device uchar*, device uchar*, uint, uint, uint, uint);
-
-LILY_PROJ_NORM("proj_norm_bf16", LILY_OUT_BF16)
-LILY_PROJ_NORM("proj_norm_f32", LILY_OUT_F32)
+#define LILY_DEFINES_proj_norm LILY_DEFINED
+#include "instantiate.h"

@@ -137,23 +137,6 @@ kernel void qgemm(constant DenseArgs& args [[buffer(0)]],
   }
 }
 
-// ---------------------------------------------------------------- instantiations (metal/kernels.def, dense)
-
-#define LILY_QGEMM(name, FMT, MODE)                                                                         \
-  template [[host_name(name)]] [[kernel]] void qgemm<FMT, MODE>(                                           \
-      constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device const bfloat*, \
-      device uchar*, uint2, uint, uint);
-
-LILY_QGEMM("qgemm_q4_bf16", LILY_W_Q4, LILY_OUT_BF16)
-LILY_QGEMM("qgemm_q4_f32", LILY_W_Q4, LILY_OUT_F32)
-LILY_QGEMM("qgemm_q4_f32add", LILY_W_Q4, LILY_OUT_F32_ADD)
-LILY_QGEMM("qgemm_q8_bf16", LILY_W_Q8, LILY_OUT_BF16)
-LILY_QGEMM("qgemm_q8_f32", LILY_W_Q8, LILY_OUT_F32)
-LILY_QGEMM("qgemm_q8_f32add", LILY_W_Q8, LILY_OUT_F32_ADD)
-LILY_QGEMM("qgemm_bf16_bf16", LILY_W_BF16, LILY_OUT_BF16)
-LILY_QGEMM("qgemm_bf16_f32", LILY_W_BF16, LILY_OUT_F32)
-LILY_QGEMM("qgemm_bf16_f32add", LILY_W_BF16, LILY_OUT_F32_ADD)
-
 #if __METAL_VERSION__ >= 400
 // ---------------------------------------------------------------- Metal 4 tensor ops (matmul2d)
 
@@ -206,18 +189,10 @@ kernel void qgemm_tensor(constant DenseArgs& args [[buffer(0)]],
   }
 }
 
-#define LILY_QGEMM_TENSOR(name, FMT, MODE)                                                                  \
-  template [[host_name(name)]] [[kernel]] void qgemm_tensor<FMT, MODE>(                                    \
-      constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device const bfloat*, \
-      device uchar*, uint2, uint);
-
-LILY_QGEMM_TENSOR("qgemm_tensor_q4_bf16", LILY_W_Q4, LILY_OUT_BF16)
-LILY_QGEMM_TENSOR("qgemm_tensor_q4_f32", LILY_W_Q4, LILY_OUT_F32)
-LILY_QGEMM_TENSOR("qgemm_tensor_q4_f32add", LILY_W_Q4, LILY_OUT_F32_ADD)
-LILY_QGEMM_TENSOR("qgemm_tensor_q8_bf16", LILY_W_Q8, LILY_OUT_BF16)
-LILY_QGEMM_TENSOR("qgemm_tensor_q8_f32", LILY_W_Q8, LILY_OUT_F32)
-LILY_QGEMM_TENSOR("qgemm_tensor_q8_f32add", LILY_W_Q8, LILY_OUT_F32_ADD)
-LILY_QGEMM_TENSOR("qgemm_tensor_bf16_bf16", LILY_W_BF16, LILY_OUT_BF16)
-LILY_QGEMM_TENSOR("qgemm_tensor_bf16_f32", LILY_W_BF16, LILY_OUT_F32)
-LILY_QGEMM_TENSOR("qgemm_tensor_bf16_f32add", LILY_W_BF16, LILY_OUT_F32_ADD)
 #endif  // __METAL_VERSION__ >= 400
+
+// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
+
+#define LILY_DEFINES_qgemm LILY_DEFINED
+#define LILY_DEFINES_qgemm_tensor LILY_DEFINED
+#include "instantiate.h"

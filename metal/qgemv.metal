@@ -115,24 +115,8 @@ kernel void qgemv_dequant(constant DenseArgs& args [[buffer(0)]],
   for (int j = 0; j < NV; ++j) o[j] = bfloat(v[j]);
 }
 
-// ---------------------------------------------------------------- instantiations (metal/kernels.def, dense)
+// ---------------------------------------------------------------- instantiations (metal/kernels.def rows)
 
-#define LILY_QGEMV(name, FMT, MODE)                                                                         \
-  template [[host_name(name)]] [[kernel]] void qgemv<FMT, MODE>(                                           \
-      constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device const bfloat*, \
-      device uchar*, uint, uint, uint);
-
-LILY_QGEMV("qgemv_q4_bf16", LILY_W_Q4, LILY_OUT_BF16)
-LILY_QGEMV("qgemv_q4_f32", LILY_W_Q4, LILY_OUT_F32)
-LILY_QGEMV("qgemv_q4_f32add", LILY_W_Q4, LILY_OUT_F32_ADD)
-LILY_QGEMV("qgemv_q8_bf16", LILY_W_Q8, LILY_OUT_BF16)
-LILY_QGEMV("qgemv_q8_f32", LILY_W_Q8, LILY_OUT_F32)
-LILY_QGEMV("qgemv_q8_f32add", LILY_W_Q8, LILY_OUT_F32_ADD)
-LILY_QGEMV("qgemv_bf16_bf16", LILY_W_BF16, LILY_OUT_BF16)
-LILY_QGEMV("qgemv_bf16_f32", LILY_W_BF16, LILY_OUT_F32)
-LILY_QGEMV("qgemv_bf16_f32add", LILY_W_BF16, LILY_OUT_F32_ADD)
-
-template [[host_name("qgemv_dequant_q4")]] [[kernel]] void qgemv_dequant<LILY_W_Q4>(
-    constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device bfloat*, uint2, uint);
-template [[host_name("qgemv_dequant_q8")]] [[kernel]] void qgemv_dequant<LILY_W_Q8>(
-    constant DenseArgs&, device const uchar*, device const uchar*, device const uchar*, device bfloat*, uint2, uint);
+#define LILY_DEFINES_qgemv LILY_DEFINED
+#define LILY_DEFINES_qgemv_dequant LILY_DEFINED
+#include "instantiate.h"

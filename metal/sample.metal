@@ -19,8 +19,9 @@
 // Precision: fp32 throughout (Metal has no double; the host uses double). u is the top 24 bits of Philox
 // word 0, i.e. the host's 53-bit u truncated to 24 bits; the host and this kernel can pick different tokens
 // only when u·K lies within fp32 rounding (~1e-6 relative) of a CDF step, or a top-p / min-p boundary does.
-// The top-p masses are summed by threadgroup float atomics, so their rounding (not the token, except at such
-// a boundary) depends on the order threads run in.
+// The top-p masses are summed in 64-bit fixed point by integer atomics (Apple GPUs have float atomics in
+// device memory only): integer sums do not depend on the order threads run in, so the top-p cut is
+// deterministic.
 // Previous hop: csrc/backends/metal/sample.cpp (encode_sample).
 #include <metal_stdlib>
 #include "lily_args.h"
@@ -66,11 +67,30 @@ static inline uint philox_word0(uint k0, uint k1, uint c0, uint c1) {
   return c0;
 }
 
-// The threadgroup's histogram of one 8-bit digit: token counts and (top-p) masses.
+// Top-p masses in fixed point: e in (0, 1] times 2^40. A sum over V < 2^24 tokens fits in 64 bits, and a
+// token's rounding (< 2^-40) is far below fp32's relative 2^-24 on the sums the cut compares.
+constant constexpr float kMassScale = 1099511627776.0f;  // 2^40
+
+// The threadgroup's histogram of one 8-bit digit: token counts and (top-p) masses, each mass a 64-bit
+// fixed-point sum kept as two 32-bit halves (atomic_uint is what threadgroup memory supports everywhere).
 struct Histogram {
   threadgroup atomic_uint* n;
-  threadgroup atomic_float* m;
+  threadgroup atomic_uint* m_lo;
+  threadgroup atomic_uint* m_hi;
 };
+
+static inline void add_mass(Histogram h, uint bin, float e) {
+  const ulong q = ulong(e * kMassScale);
+  const uint q_lo = uint(q), q_hi = uint(q >> 32);
+  const uint old = atomic_fetch_add_explicit(&h.m_lo[bin], q_lo, memory_order_relaxed);
+  const uint carry = old + q_lo < old ? 1u : 0u;  // the low half wrapped: exactly once per wrap, whatever the order
+  if (q_hi + carry != 0) atomic_fetch_add_explicit(&h.m_hi[bin], q_hi + carry, memory_order_relaxed);
+}
+
+static inline ulong bin_mass(Histogram h, uint bin) {
+  return ulong(atomic_load_explicit(&h.m_hi[bin], memory_order_relaxed)) << 32 |
+         atomic_load_explicit(&h.m_lo[bin], memory_order_relaxed);
+}
 
 // Kept mass of one simdgroup's range: its mass without the ties at θ, plus the ties that still fit in n_keep.
 static inline float range_mass(float other, uint ties, uint ties_before, uint n_keep, float w_theta) {
@@ -80,7 +100,8 @@ static inline float range_mass(float other, uint ties, uint ties_before, uint n_
 static inline void clear_histogram(Histogram h, uint tid, uint nthreads) {
   for (uint b = tid; b < uint(LILY_SAMPLE_BINS); b += nthreads) {
     atomic_store_explicit(&h.n[b], 0u, memory_order_relaxed);
-    atomic_store_explicit(&h.m[b], 0.0f, memory_order_relaxed);
+    atomic_store_explicit(&h.m_lo[b], 0u, memory_order_relaxed);
+    atomic_store_explicit(&h.m_hi[b], 0u, memory_order_relaxed);
   }
 }
 
@@ -95,12 +116,13 @@ kernel void sample_token(constant SampleArgs& a [[buffer(0)]],
                          uint lane [[thread_index_in_simdgroup]]) {
   constexpr int NSG = LILY_SAMPLE_THREADS / LILY_SIMD_WIDTH;
   threadgroup atomic_uint hist_n[LILY_SAMPLE_BINS];
-  threadgroup atomic_float hist_m[LILY_SAMPLE_BINS];
+  threadgroup atomic_uint hist_m_lo[LILY_SAMPLE_BINS];
+  threadgroup atomic_uint hist_m_hi[LILY_SAMPLE_BINS];
   threadgroup float part_v[NSG];  // per simdgroup: max, then kept mass
   threadgroup uint part_u[NSG];   // per simdgroup: first index of the max, then top-p ties at the boundary
   threadgroup uint pick_u[3];     // thread 0's digit scans: chosen bin, tokens still needed / in the bin, bin done
-  threadgroup float pick_f[2];    // top-p: mass above the chosen bin, target top_p · S
-  const Histogram hist{hist_n, hist_m};
+  threadgroup ulong pick_m[2];    // top-p, fixed point: mass above the chosen bin, target top_p · S
+  const Histogram hist{hist_n, hist_m_lo, hist_m_hi};
   const int V = a.vocab;
   const uint nsg = nthreads / LILY_SIMD_WIDTH;
   const bool top_k = a.temperature > 0.0f && a.top_k > 0 && a.top_k < V;
@@ -178,7 +200,8 @@ kernel void sample_token(constant SampleArgs& a [[buffer(0)]],
   // Tokens with key > θ are kept; of the n_theta tokens equal to θ (weight w each, id order) the first
   // n_keep, those whose mass before them is < target. A bin holding one token ends the search early.
   uint theta = 0, n_theta = 0, n_keep = 0;
-  float above = 0.0f, target = 0.0f, w_theta = 0.0f;
+  ulong above = 0, target = 0;
+  float w_theta = 0.0f;
   if (a.top_p < 1.0f) {
     uint prefix = 0;
     for (int shift = 24;; shift -= 8) {
@@ -189,30 +212,30 @@ kernel void sample_token(constant SampleArgs& a [[buffer(0)]],
         const uint k = order_key(l);
         if (k >= lo && (shift == 24 || k >> (shift + 8) == prefix)) {
           atomic_fetch_add_explicit(&hist_n[(k >> shift) & 0xFFu], 1u, memory_order_relaxed);
-          atomic_fetch_add_explicit(&hist_m[(k >> shift) & 0xFFu], mass(l, mx, inv_t), memory_order_relaxed);
+          add_mass(hist, (k >> shift) & 0xFFu, mass(l, mx, inv_t));
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (tid == 0) {
         if (shift == 24) {
-          float S = 0.0f;
-          for (int b = LILY_SAMPLE_BINS - 1; b >= 0; --b) S += atomic_load_explicit(&hist_m[b], memory_order_relaxed);
-          target = a.top_p * S;
-          pick_f[1] = target;
+          ulong S = 0;
+          for (int b = LILY_SAMPLE_BINS - 1; b >= 0; --b) S += bin_mass(hist, uint(b));
+          target = ulong(a.top_p * float(S));
+          pick_m[1] = target;
         }
         // The top non-empty bin always qualifies: the mass above it is the previous digit's, < target.
-        float cum = above;
+        ulong cum = above;
         for (int b = LILY_SAMPLE_BINS - 1; b >= 0 && cum < target; --b) {
           const uint c = atomic_load_explicit(&hist_n[b], memory_order_relaxed);
-          if (c != 0) pick_u[0] = uint(b), pick_u[1] = c, pick_f[0] = cum;
-          cum += atomic_load_explicit(&hist_m[b], memory_order_relaxed);
+          if (c != 0) pick_u[0] = uint(b), pick_u[1] = c, pick_m[0] = cum;
+          cum += bin_mass(hist, uint(b));
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       prefix = prefix << 8 | pick_u[0];
       n_theta = pick_u[1];
-      above = pick_f[0];
-      target = pick_f[1];
+      above = pick_m[0];
+      target = pick_m[1];
       if (n_theta == 1 || shift == 0) {
         theta = prefix << shift;
         break;
@@ -221,7 +244,7 @@ kernel void sample_token(constant SampleArgs& a [[buffer(0)]],
     lo = max(lo, theta);
     // n_theta > 1 only after all four digits: then θ is one exact value.
     w_theta = mass(key_value(theta), mx, inv_t);
-    const float fit = (target - above) / w_theta;  // > 0: tokens i with above + i·w < target
+    const float fit = float(target - above) / kMassScale / w_theta;  // > 0: tokens i with above + i·w < target
     n_keep = fit >= float(n_theta) ? n_theta : max(1u, uint(ceil(fit)));
   }
   // Ties at θ cut part-way: their ranks in id order decide, so they are counted apart from the other mass.

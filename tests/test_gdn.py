@@ -156,6 +156,7 @@ def test_prefill_state_traffic(T):
     rec = nv * dk * dv * 4
     conv = 3 * (2 * nk * dk + nv * dv) * 4
     assert c["dispatches"] == 3
+    assert c["kernels"] == {"gdn_conv_bf16": 1, "gdn_scan_bf16": 1, "gdn_gated_norm_bf16": 1}
     assert c["stages"] == 3  # conv → scan → gated norm, each consuming the previous one's output
     assert c["bytes_read"]["state"] == rec + conv
     assert c["bytes_written"]["state"] == rec + conv
@@ -171,5 +172,6 @@ def test_decode_traffic():
     rec = nv * dk * dv * 4
     conv = 3 * (2 * nk * dk + nv * dv) * 4
     assert c["dispatches"] == 2
+    assert c["kernels"] == {"gdn_step_bf16": 2}
     assert c["bytes_written"]["state"] == 2 * (rec + conv)
     assert c["bytes_written"]["activations"] <= 2 * PAGE  # the two output rows (one page each at most)

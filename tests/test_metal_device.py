@@ -59,6 +59,17 @@ def test_explicit_barriers():
     assert trace([], [(0, 0, 0, "r")], [], [], [(0, 0, 0, "r")]) == [D, BAR, D]  # empty stages dropped
 
 
+def test_threadgroup_memory_over_32k_is_refused_with_the_kernel_named():
+    name = kernels.kernel_table()[0][1]  # the trace encoder dispatches KernelId 0
+    assert trace([(0, 0, 0, "r")]) == [D]
+    assert kernels.encoder_trace([B], [[(0, 0, 0, "r")]], threadgroup_bytes=24576, static_threadgroup_bytes=8192)[1] == 1
+    with pytest.raises(ValueError, match=rf"{name}: 8192 bytes of static threadgroup memory \+ 24592 set by the host "
+                                         r"exceed the 32768-byte limit"):
+        kernels.encoder_trace([B], [[(0, 0, 0, "r")]], threadgroup_bytes=24577, static_threadgroup_bytes=8192)
+    with pytest.raises(ValueError, match=r"0 bytes of static threadgroup memory \+ 32784 set by the host"):
+        kernels.encoder_trace([B], [[(0, 0, 0, "r")]], threadgroup_bytes=32769)
+
+
 def test_binding_past_the_end_raises():
     with pytest.raises(IndexError, match="exceeds buffer"):
         trace([(0, 10, 100, "r")], sizes=(64,))

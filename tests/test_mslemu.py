@@ -166,9 +166,9 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def lower_check(name):
+def lower_check(name, version=310):
     return subprocess.run([sys.executable, os.path.join(EMU_DIR, "lower.py"), "check", os.path.join(CASES, name),
-                           "-I", CASES], capture_output=True, text=True)
+                           "-I", CASES, "--metal-version", str(version)], capture_output=True, text=True)
 
 
 def page_aligned(nbytes, dtype):
@@ -610,22 +610,65 @@ def test_fiber_stack_overflow(emu):
     ("check_as_tg_to_device.metal", "cannot initialize a variable of type 'device float *' with an lvalue of type "
                                     "'threadgroup float[32]'"),
     ("check_as_write_constant.metal", "cannot assign to variable 'p' with const-qualified type"),
-    ("check_double.metal", "'double' is not supported in MSL"),
-    ("check_tg_initializer.metal", "a threadgroup variable cannot have an initializer"),
-    ("check_byvalue_param.metal", "parameter 'uint n' is passed by value without an attribute"),
-    ("check_tg_limit.metal", "threadgroup memory declared in this function exceeds the 32768-byte limit"),
-    ("check_max_threads.metal", "max_total_threads_per_threadgroup(2048) exceeds the limit of 1024"),
 ])
-def test_compile_check_rejects(case, message):
+def test_compile_check_rejects_address_space_mixups(case, message):
     r = lower_check(case)
     assert r.returncode != 0
     assert message in r.stderr
     assert f"{case}:" in r.stderr  # diagnostics point into the .metal file
 
 
-def test_compile_check_accepts_valid_msl():
-    r = lower_check("check_ok_generic.metal")
+# Each rule of lower.py's RULES: a case Apple's compiler rejects (the rule and its MSL section in the message)
+# and, below, a case it accepts. (case, MSL version, rule, message)
+RULE_CASES = [
+    ("check_double.metal", 310, "double", "'double' is not supported in MSL"),
+    ("check_tg_initializer.metal", 310, "tg-initializer", "a threadgroup variable cannot have an initializer"),
+    ("check_byvalue_param.metal", 310, "by-value-param", "parameter 'uint n' is passed by value without an attribute"),
+    ("check_address_space.metal", 310, "address-space",
+     "parameter 'float * a' is a pointer or reference without an address space"),
+    ("check_tg_limit.metal", 310, "tg-memory", "threadgroup memory declared in this function exceeds the 32768-byte limit"),
+    ("check_max_threads.metal", 310, "max-threads", "max_total_threads_per_threadgroup(2048) exceeds the limit of 1024"),
+    ("check_float_atomic_tg.metal", 310, "float-atomic", "a threadgroup atomic_float"),
+    ("check_float_atomic_cast.metal", 310, "float-atomic", "a threadgroup or thread atomic_float"),
+    ("check_grid_width.metal", 310, "grid-width", "kernel 'k' mixes component counts: uint3 "
+                                                  "[[threadgroup_position_in_grid]], uint [[threads_per_threadgroup]]"),
+    ("check_grid_pair_type.metal", 310, "grid-width", "[[thread_position_in_grid]] and [[threads_per_grid]] need one type"),
+    ("check_recursion.metal", 310, "recursion", "recursive call even -> odd -> even"),
+    ("check_function_pointer.metal", 310, "function-pointer", "a function pointer or reference is not supported"),
+    ("check_function_name_as_value.metal", 310, "function-pointer", "'square' names a function without calling it"),
+    ("check_virtual.metal", 310, "function-pointer", "virtual functions are not supported in MSL"),
+    ("check_bfloat.metal", 300, "version", "'bfloat' needs MSL 3.1; this file is compiled as MSL 3.0"),
+    ("check_tensor_below_4.metal", 310, "version", "'tensor' needs MSL 4.0; this file is compiled as MSL 3.1"),
+    ("check_attribute_spelling.metal", 310, "attribute", "unknown attribute [[thread_positon_in_grid]]"),
+    ("check_attribute_buffer.metal", 310, "attribute", "unknown attribute [[bufer]]"),
+]
+
+
+@pytest.mark.parametrize("case,version,rule,message", RULE_CASES, ids=[c[0] for c in RULE_CASES])
+def test_compile_check_rejects(case, version, rule, message):
+    r = lower_check(case, version)
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert f"MSL rule '{rule}'" in r.stderr and "§" in r.stderr  # the rule and its specification section
+    assert f"{case}:" in r.stderr  # diagnostics point into the .metal file (a shim static_assert: its call site)
+
+
+@pytest.mark.parametrize("case,version", [
+    ("check_ok_generic.metal", 310),
+    ("check_ok_atomics.metal", 310),   # float-atomic: device atomic_float, threadgroup atomic_uint
+    ("check_ok_grid.metal", 310),      # grid-width: uint3 throughout, scalar index attributes
+    ("check_ok_calls.metal", 310),     # recursion / function-pointer: an acyclic call graph, a functor type
+    ("check_ok_tg_limit.metal", 310),  # tg-memory / max-threads: exactly at the limits
+    ("check_bfloat.metal", 310),       # version: bfloat at MSL 3.1
+    ("kernels.metal", 400),            # the emulator's own kernels (every attribute spelling they use)
+])
+def test_compile_check_accepts_valid_msl(case, version):
+    r = lower_check(case, version)
     assert r.returncode == 0, r.stderr
+
+
+# Every metal/*.metal passing the checker at MSL 3.1 and 4.0: tests/test_kernel_table.py
+# (test_compiled_names_per_msl_version).
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -83,6 +83,8 @@ namespace {
 class TraceEncoder final : public Encoder {
  public:
   std::vector<std::string> events;
+  uint32_t static_bytes = 0;  // every kernel's static threadgroup memory, as a pipeline would report it
+  uint32_t static_threadgroup_bytes(KernelId) const override { return static_bytes; }
 
  protected:
   void do_dispatch(KernelId kernel, Grid, Grid, const void*, size_t, const std::vector<Binding>&, uint32_t) override {
@@ -181,13 +183,15 @@ void init_kernels(nb::module_& k) {
         nb::arg("q"), nb::arg("scales"), nb::arg("biases"), nb::arg("tokens"), nb::arg("w"), nb::arg("eps"),
         nb::arg("order") = 0, nb::arg("seed") = 0);
   k.def("encoder_trace",
-        [](const std::vector<uint64_t>& buffer_sizes, const std::vector<std::vector<TraceBinding>>& dispatches) {
+        [](const std::vector<uint64_t>& buffer_sizes, const std::vector<std::vector<TraceBinding>>& dispatches,
+           uint32_t threadgroup_bytes, uint32_t static_threadgroup_bytes) {
           std::vector<HostBuffer> buffers(buffer_sizes.size());
           for (size_t i = 0; i < buffers.size(); ++i) {
             buffers[i].size = buffer_sizes[i];
             buffers[i].label = "b" + std::to_string(i);
           }
           TraceEncoder enc;
+          enc.static_bytes = static_threadgroup_bytes;
           int slot_args = 0;
           for (const auto& d : dispatches) {
             if (d.empty()) {  // an empty list stands for an explicit barrier
@@ -199,7 +203,9 @@ void init_kernels(nb::module_& k) {
             for (const auto& [index, offset, bytes, access] : d)
               bs.push_back({slot++, &buffers.at(size_t(index)), offset, parse_access(access), bytes});
             // Encoder::dispatch takes an initializer_list; forward up to four bindings.
-            auto disp = [&](std::initializer_list<Binding> l) { enc.dispatch(KernelId(0), {}, {}, slot_args, l); };
+            auto disp = [&](std::initializer_list<Binding> l) {
+              enc.dispatch(KernelId(0), {}, {}, slot_args, l, threadgroup_bytes);
+            };
             switch (bs.size()) {
               case 1: disp({bs[0]}); break;
               case 2: disp({bs[0], bs[1]}); break;
@@ -210,8 +216,10 @@ void init_kernels(nb::module_& k) {
           }
           return std::make_tuple(enc.events, enc.dispatches(), enc.barriers());
         },
-        nb::arg("buffer_sizes"), nb::arg("dispatches"),
+        nb::arg("buffer_sizes"), nb::arg("dispatches"), nb::arg("threadgroup_bytes") = 0,
+        nb::arg("static_threadgroup_bytes") = 0,
         "Runs the Encoder's barrier derivation on fake buffers. dispatches: a list of binding lists "
         "[(buffer index, offset, bytes (0 = to the end), 'r'|'w'|'rw')], an empty list = explicit barrier. "
+        "threadgroup_bytes / static_threadgroup_bytes: each dispatch's host-set and static threadgroup memory. "
         "Returns (events ['dispatch'|'barrier'], dispatches, barriers).");
 }

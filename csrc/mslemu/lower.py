@@ -12,8 +12,8 @@ file. A token pass then rewrites what is not C++:
   * `constant T c [[function_constant(i)]];` -> mslemu::FunctionConstant<T, i>, set per dispatch
   * unsuffixed floating literals -> float (MSL has no double); `1.5h` -> half
 
-and rejects what Metal rejects but C++ would accept: `double`, an initialised threadgroup variable, a by-value
-kernel parameter without an attribute, more than 1024 threads in max_total_threads_per_threadgroup.
+and rejects what Apple's Metal compiler rejects but clang with the shim would accept (RULES below: each error
+names its rule and the section of the Metal Shading Language Specification that states it).
 Registration code (mslemu/exec.h Entry<...>) is appended; the result includes <mslemu/msl.h>.
 
   lower.py check   FILE.metal [-I DIR] [-D X] [--metal-version N]     type-check only; clang's errors on failure
@@ -70,6 +70,12 @@ BINDINGS = {
 }
 UNSUPPORTED_PARAMS = ("stage_in", "texture", "sampler", "imageblock", "color", "raster_order_group",
                       "visible_function_table", "intersection_function_table", "instance_acceleration_structure")
+# Every attribute a compute .metal file may spell (§5: MSL's own, and the C++ standard attributes it keeps).
+KNOWN_ATTRIBUTES = set(BINDINGS) | set(UNSUPPORTED_PARAMS) | {
+    "kernel", "host_name", "function_constant", "max_total_threads_per_threadgroup", "visible", "stitchable",
+    "id", "grid_origin", "grid_size", "quadgroups_per_threadgroup", "dispatch_quadgroups_per_threadgroup",
+    "dispatch_simdgroups_per_threadgroup", "user_annotation", "maybe_unused", "likely", "unlikely", "nodiscard",
+    "fallthrough", "noreturn", "deprecated"}
 
 TOKEN_RE = re.compile(r"""
   (?P<nl>\n)
@@ -84,6 +90,64 @@ TOKEN_RE = re.compile(r"""
 """, re.S | re.X)
 MARKER_RE = re.compile(r'#\s*(?:line\s+)?(\d+)\s+"((?:\\.|[^"\\])*)"')
 IDENT_RE = re.compile(r"[A-Za-z_]\w*$")
+
+
+# The Metal Shading Language rules this checker enforces beyond C++, with the specification section
+# (MSL 3.2 numbering; tensors and Metal Performance Primitives are MSL 4.0) that states each.
+RULES = {
+    "double": "MSL has no double (§2.1 Scalar Data Types)",
+    "tg-initializer": "threadgroup variables cannot be initialised (§4.4 threadgroup Address Space)",
+    "by-value-param": "kernel arguments are buffers, textures, samplers or attributed built-ins "
+                      "(§5.2.1 Locating Buffer, Texture, and Sampler Arguments)",
+    "address-space": "a pointer or reference argument of a kernel needs an address space: device, constant, "
+                     "threadgroup, ... (§4 Address Spaces)",
+    "float-atomic": "atomic_float exists in device memory only; Apple's compiler rejects threadgroup and thread "
+                    "float atomics (§2.6 Atomic Data Types, §6.15 Atomic Functions)",
+    "grid-width": "the grid-position attributes of one kernel (thread_position_in_grid, threads_per_grid, "
+                  "thread_position_in_threadgroup, threads_per_threadgroup, threadgroup_position_in_grid, "
+                  "threadgroups_per_grid, dispatch_threads_per_threadgroup) share one component count "
+                  "(§5.2.3.6 Kernel Function Input Attributes)",
+    "recursion": "no recursive calls in kernel code (§1.5.4 Restrictions)",
+    "function-pointer": "no function pointers or virtual calls: they need [[visible]] functions linked through "
+                        "MTLLinkedFunctions, which these kernels do not use (§1.5.4 Restrictions, §5.1.4 Visible "
+                        "Functions)",
+    "tg-memory": f"at most {MAX_TG_MEMORY} bytes of threadgroup memory per threadgroup, static plus "
+                 "setThreadgroupMemoryLength (§4.4 threadgroup Address Space; Metal feature set tables)",
+    "max-threads": f"at most {MAX_THREADS} threads per threadgroup (§5.1.3 Kernel Functions, "
+                   "max_total_threads_per_threadgroup; Metal feature set tables)",
+    "version": "types and functions exist only from the MSL version that introduced them (§1.3 New in Metal, "
+               "§2.1 bfloat: MSL 3.1; MSL 4.0 tensor types and Metal Performance Primitives)",
+    "attribute": "an attribute must be one MSL defines, spelled as the specification spells it (§5 Function "
+                 "and Variable Declarations)",
+}
+
+# Identifiers whose first MSL version is above what every Apple GPU compiles (__METAL_VERSION__ values).
+# (name, next token or None) -> version; `tensor` counts only as the template `tensor<...>`.
+VERSION_FLOORS = {
+    **{(t, None): 230 for t in ("simdgroup_float8x8", "simdgroup_half8x8", "make_filled_simdgroup_matrix",
+                                "simdgroup_multiply_accumulate", "simdgroup_matrix")},
+    ("atomic_float", None): 300,
+    **{(t, None): 310 for t in ("bfloat", "bfloat2", "bfloat3", "bfloat4", "simdgroup_bfloat8x8")},
+    ("atomic_thread_fence", None): 320,
+    **{(t, None): 400 for t in ("tensor_inline", "tensor_handle", "dextents", "extents", "matmul2d",
+                                "matmul2d_descriptor", "execution_simdgroup", "execution_simdgroups",
+                                "execution_thread", "cooperative_tensor")},
+    ("tensor", "<"): 400,
+    ("mpp", "::"): 400,
+}
+
+ADDRESS_SPACES = ("device", "constant", "threadgroup", "threadgroup_imageblock", "ray_data", "object_data")
+GRID_ATTRIBUTES = ("thread_position_in_grid", "threads_per_grid", "thread_position_in_threadgroup",
+                   "threads_per_threadgroup", "threadgroup_position_in_grid", "threadgroups_per_grid",
+                   "dispatch_threads_per_threadgroup")
+# Pairs whose types must be identical, not only of one width (§5.2.3.6).
+GRID_TYPE_PAIRS = (("thread_position_in_grid", "threads_per_grid"),
+                   ("thread_position_in_threadgroup", "threads_per_threadgroup"))
+GRID_TYPE_RE = re.compile(r"(?:u?(?:int|short)|uint|ushort)([234]?)$")
+# Words before '(' that are not calls.
+NOT_CALLS = {"if", "for", "while", "switch", "return", "sizeof", "alignof", "decltype", "static_assert",
+             "static_cast", "reinterpret_cast", "const_cast", "as_type", "operator", "template", "typename",
+             "constexpr", "catch", "noexcept", "alignas", "defined"}
 
 
 class LowerError(Exception):
@@ -108,6 +172,19 @@ def tokenize(src, fname):
                 file, line = mm.group(2), int(mm.group(1)) - 1
         line += text.count("\n")
     return toks
+
+
+def function_name(head):
+    """The name a function definition's head declares: the identifier before its first top-level '('."""
+    depth = 0
+    for i, h in enumerate(head):
+        if h == "(" and depth == 0:
+            return head[i - 1] if i and IDENT_RE.match(head[i - 1]) and head[i - 1] != "operator" else None
+        if h in "([<":
+            depth += 1
+        elif h in ")]>":
+            depth -= 1
+    return None
 
 
 def float_literal(text):
@@ -155,7 +232,11 @@ def split_top(items, sep=","):
 
 
 class Lowering:
-    def __init__(self, src, fname):
+    def __init__(self, src, fname, metal_version=310):
+        self.metal_version = metal_version
+        self.functions = {}  # name -> token index of each function body's '{' (overloads share a name)
+        self.calls = {}      # caller name -> {callee name: token index of the first call}
+        self.name_uses = []  # (token index, name): identifiers in code not called; function pointers if functions
         self.toks = tokenize(src, fname)
         self.sig = [i for i, t in enumerate(self.toks) if t.kind not in ("ws", "nl", "comment", "marker")]
         self.replace = {}    # token index -> replacement text
@@ -177,6 +258,9 @@ class Lowering:
 
     def error(self, k, msg):
         raise LowerError(f"{self.where(k)}: error: {msg}")
+
+    def rule_error(self, k, rule, msg):
+        self.error(k, f"{msg} [MSL rule '{rule}': {RULES[rule]}]")
 
     def set(self, k, text):
         self.replace[self.sig[k]] = text
@@ -234,6 +318,7 @@ class Lowering:
 
     # ---- main pass ----
     def run(self):
+        self.check_tokens()
         k, n = 0, len(self.sig)
         while k < n:
             x = self.t(k)
@@ -243,7 +328,7 @@ class Lowering:
                 if new != x:
                     self.set(k, new)
             elif x == "double":
-                self.error(k, "'double' is not supported in MSL (use float)")
+                self.rule_error(k, "double", "'double' is not supported in MSL (use float)")
             elif x == "{":
                 self.open_scope(k)
             elif x == "}":
@@ -253,6 +338,8 @@ class Lowering:
                 if x in ("threadgroup", "const", "volatile") and self.at_statement_start(k):
                     k = self.threadgroup_decl(k)
                     continue
+                if kind == "id":
+                    self.record_use(k)
             elif x == "template" and (self.t(k + 1) == "kernel" or self.t(k + 1) == "[" == self.t(k + 2)):
                 k = self.instantiation(k)
                 continue
@@ -267,6 +354,71 @@ class Lowering:
             k += 1
         if self.scopes:
             raise LowerError("error: unbalanced braces at end of file")
+        self.check_function_pointers()
+        self.check_recursion()
+
+    # ---- MSL rules over the token stream ----
+    def check_tokens(self):
+        """Attribute spellings, version floors, virtual calls and function-pointer declarators."""
+        for k in range(len(self.sig)):
+            x, kind = self.t(k), self.tok(k).kind
+            if x == "[" == self.t(k + 1) and self.t(k - 1) != "[":
+                for name, _ in self.parse_attrs(k)[0]:
+                    if name not in KNOWN_ATTRIBUTES and not name.startswith("clang::"):
+                        self.rule_error(k, "attribute", f"unknown attribute [[{name}]]")
+            elif kind == "id":
+                floor = VERSION_FLOORS.get((x, None)) or VERSION_FLOORS.get((x, self.t(k + 1)))
+                if floor and floor > self.metal_version:
+                    self.rule_error(k, "version", f"'{x}' needs MSL {floor // 100}.{floor % 100 // 10}; this file "
+                                                  f"is compiled as MSL {self.metal_version // 100}."
+                                                  f"{self.metal_version % 100 // 10}")
+                if x == "virtual":
+                    self.rule_error(k, "function-pointer", "virtual functions are not supported in MSL")
+            elif x == "(" and self.t(k + 1) in ("*", "&"):
+                # `(*name)(` / `(*)(` / `(&name)(`: a declarator of a function pointer or reference.
+                j = k + 2 + (self.tok(k + 2).kind == "id")
+                if self.t(j) == ")" and self.t(j + 1) == "(":
+                    self.rule_error(k, "function-pointer", "a function pointer or reference is not supported in MSL")
+
+    def current_function(self):
+        s = self.function_scope()
+        return s[2] if s else None
+
+    def record_use(self, k):
+        """An identifier in a function body: a call (an edge of the call graph) or a plain use."""
+        x, prev, nxt = self.t(k), self.t(k - 1), self.t(k + 1)
+        if x in NOT_CALLS or prev in (".", "->"):
+            return
+        if nxt == "(" or nxt == "<":
+            self.calls.setdefault(self.current_function(), {}).setdefault(x, k)
+        elif nxt != "::" and prev != "::":
+            self.name_uses.append((k, x))
+
+    def check_function_pointers(self):
+        for k, x in self.name_uses:
+            if x in self.functions:
+                self.rule_error(k, "function-pointer", f"'{x}' names a function without calling it (a function "
+                                                       f"pointer; pass a functor type as a template argument instead)")
+
+    def check_recursion(self):
+        graph = {f: [c for c in callees if c in self.functions] for f, callees in self.calls.items()
+                 if f in self.functions}
+        state = {}
+
+        def visit(f, path):
+            state[f] = "open"
+            for c in graph.get(f, []):
+                if state.get(c) == "open":
+                    cycle = path[path.index(c):] + [c]
+                    self.rule_error(self.calls[f][c], "recursion",
+                                    f"recursive call {' -> '.join(cycle)} (overloads count as one function)")
+                if c not in state:
+                    visit(c, path + [c])
+            state[f] = "done"
+
+        for f in graph:
+            if f not in state:
+                visit(f, [f])
 
     def open_scope(self, k):
         if self.in_code():
@@ -291,7 +443,10 @@ class Lowering:
         elif any(h in ("struct", "class", "union", "enum") for h in top):
             self.scopes.append(("class",))
         elif "(" in head:
-            self.scopes.append(("code", []))  # a function body: collects its threadgroup declarations
+            name = function_name(head)
+            if name:
+                self.functions.setdefault(name, k)
+            self.scopes.append(("code", [], name))  # a function body: collects its threadgroup declarations
         else:
             self.scopes.append(("other",))
 
@@ -320,11 +475,15 @@ class Lowering:
             e += 1
         body = list(range(j + 1, e))
         decls = split_top([(i, self.t(i)) for i in body])
-        if {"*", "&"} & set(top_level(t for _, t in decls[0])):
+        texts = [t for _, t in decls[0]]
+        if "atomic_float" in texts or any(a == "atomic" and b == "<" and c == "float"
+                                          for a, b, c in zip(texts, texts[1:], texts[2:])):
+            self.rule_error(k, "float-atomic", "a threadgroup atomic_float")
+        if {"*", "&"} & set(top_level(texts)):
             return e + 1  # a pointer or reference to threadgroup memory is ordinary C++
         for d in decls:
             if {"=", "{"} & set(top_level(t for _, t in d)):
-                self.error(k, "a threadgroup variable cannot have an initializer in MSL")
+                self.rule_error(k, "tg-initializer", "a threadgroup variable cannot have an initializer in MSL")
         # The type is everything before the first declarator's name (the last identifier before '[').
         name_at = None
         for idx, (_, t) in enumerate(decls[0]):
@@ -348,7 +507,7 @@ class Lowering:
             out.append(
                 f"static ::mslemu::TgDecl _mslemu_tg_{name}{{(uint32_t){size}, (uint32_t)alignof({ty}), \"{name}\"}}; "
                 f"static_assert({total} <= {MAX_TG_MEMORY}, \"threadgroup memory declared in this function exceeds "
-                f"the {MAX_TG_MEMORY}-byte limit\"); "
+                f"the {MAX_TG_MEMORY}-byte limit [MSL rule 'tg-memory': {RULES['tg-memory']}]\"); "
                 f"threadgroup {ty} (&{name}) {dims} = "
                 f"*(threadgroup {ty} (*) {dims})::mslemu::threadgroup_static(&_mslemu_tg_{name});")
         self.blank(k, e + 1)
@@ -394,8 +553,8 @@ class Lowering:
             elif a == "max_total_threads_per_threadgroup":
                 max_threads = self.text(args)
                 if max_threads.isdigit() and int(max_threads) > MAX_THREADS:
-                    self.error(k, f"max_total_threads_per_threadgroup({max_threads}) exceeds the limit of "
-                                  f"{MAX_THREADS} threads per threadgroup")
+                    self.rule_error(k, "max-threads", f"max_total_threads_per_threadgroup({max_threads}) exceeds "
+                                                      f"the limit of {MAX_THREADS} threads per threadgroup")
         qual = self.ns_prefix() + name
         template = self.is_template(k)
         if template and host != name:
@@ -421,10 +580,10 @@ class Lowering:
         return False
 
     def kernel_params(self, k, name, p, close):
-        params = []
+        params, grid = [], []
         for part in split_top([(i, self.t(i)) for i in range(p + 1, close)]):
             idx = [i for i, _ in part]
-            bind, rest = None, []
+            bind, rest, attr = None, [], None
             i = 0
             while i < len(idx):
                 q = idx[i]
@@ -433,6 +592,7 @@ class Lowering:
                     for a, args in attrs:
                         if a in BINDINGS:
                             bind = (BINDINGS[a], self.text(args) if args else "0")
+                            attr = a
                         elif a in UNSUPPORTED_PARAMS:
                             self.error(k, f"kernel '{name}': [[{a}]] parameters are not supported by mslemu")
                     self.blank(q, end)
@@ -443,14 +603,39 @@ class Lowering:
                 i += 1
             if "sampler" in rest or any(t.startswith(("texture", "depth")) and nxt == "<" for t, nxt in zip(rest, rest[1:])):
                 self.error(k, f"kernel '{name}': texture and sampler parameters are not supported by mslemu")
+            if ("*" in rest or "&" in rest) and not set(ADDRESS_SPACES) & set(rest):
+                self.rule_error(k, "address-space", f"kernel '{name}': parameter '{' '.join(rest)}' is a pointer or "
+                                                    f"reference without an address space")
             if bind is None:
                 if "*" in rest or "&" in rest:
                     bind = ("auto", None)  # MSL numbers unattributed buffers by position
                 else:
-                    self.error(k, f"kernel '{name}': parameter '{' '.join(rest)}' is passed by value without an "
-                                  f"attribute; use a [[buffer(n)]] reference (e.g. constant Args& args [[buffer(0)]])")
+                    self.rule_error(k, "by-value-param", f"kernel '{name}': parameter '{' '.join(rest)}' is passed by "
+                                                         f"value without an attribute; use a [[buffer(n)]] reference "
+                                                         f"(e.g. constant Args& args [[buffer(0)]])")
+            if attr in GRID_ATTRIBUTES:
+                grid.append((attr, [t for t in rest[:-1] if t not in ("const", "volatile")]))
             params.append(bind)
+        self.check_grid_widths(k, name, grid)
         return params
+
+    def check_grid_widths(self, k, name, grid):
+        """grid: [(attribute, type tokens)] of one kernel's grid-position parameters."""
+        def width(ty):
+            if ty[:1] == ["vec"] and len(ty) == 6:  # vec < uint , 3 >
+                return int(ty[4])
+            m = GRID_TYPE_RE.match(ty[-1]) if ty else None
+            if not m:
+                self.rule_error(k, "grid-width", f"kernel '{name}': '{' '.join(ty)}' is not a scalar or vector "
+                                                 f"integer type for a grid-position attribute")
+            return int(m.group(1) or 1)
+        shown = ", ".join(f"{' '.join(ty)} [[{a}]]" for a, ty in grid)
+        if len({width(ty) for _, ty in grid}) > 1:
+            self.rule_error(k, "grid-width", f"kernel '{name}' mixes component counts: {shown}")
+        types = dict((a, ty) for a, ty in grid)
+        for a, b in GRID_TYPE_PAIRS:
+            if a in types and b in types and types[a] != types[b]:
+                self.rule_error(k, "grid-width", f"kernel '{name}': [[{a}]] and [[{b}]] need one type: {shown}")
 
     def instantiation(self, k):
         e = k
@@ -622,7 +807,7 @@ def lower_file(clang, metal, args):
     """-> (translation unit text, source files it came from, host kernel names)"""
     pre = preprocess(clang, metal, args)
     try:
-        lw = Lowering(pre, metal)
+        lw = Lowering(pre, metal, args.metal_version)
         lw.run()
         unit = '#include "mslemu/msl.h"\n' + lw.output() + "\n" + lw.registration()
         # A unit that includes the Metal 4 tensor headers gets the tensor shim (mslemu/tensor.h) and C++20.

@@ -170,11 +170,12 @@ kernel void vectors(device float* out [[buffer(0)]], const device packed_float3*
   o[7] = clamp(fma(x[gid], 2.0, 1.0), -1.0, 1.0) + tanh(x[gid]) + exp(-abs(x[gid]));
 }
 
-// All position attributes, in several integer widths. out: [grid threads, 20].
+// All position attributes, in several integer widths (MSL: one component count for the grid attributes,
+// and thread_position_in_threadgroup typed like threads_per_threadgroup). out: [grid threads, 20].
 kernel void positions(device uint* out [[buffer(0)]], uint3 tpig [[thread_position_in_grid]],
                       ushort3 tptg [[thread_position_in_threadgroup]], uint3 tgpig [[threadgroup_position_in_grid]],
                       ushort tidx [[thread_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],
-                      uint sgid [[simdgroup_index_in_threadgroup]], uint2 size [[threads_per_threadgroup]],
+                      uint sgid [[simdgroup_index_in_threadgroup]], ushort3 size [[threads_per_threadgroup]],
                       uint3 grid_tgs [[threadgroups_per_grid]], uint nsg [[simdgroups_per_threadgroup]],
                       uint width [[threads_per_simdgroup]], uint3 grid [[threads_per_grid]]) {
   const uint row = (tpig.z * grid.y + tpig.y) * grid.x + tpig.x;

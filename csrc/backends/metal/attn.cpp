@@ -52,19 +52,30 @@ int pack_of(const AttnDevice& A, int limit = LILY_ATTN_PACK_HEADS) {
   return 1;
 }
 
-// mode: 0 prefill, 1 decode, 2 decode_split, 3 decode_prep, 4 decode_split_prep
+// kAttnKernels[d index][mode]; mode: 0 prefill, 1 decode, 2 decode_split, 3 decode_prep, 4 decode_split_prep
+constexpr KernelId kAttnKernels[4][5] = {
+    {KernelId::attn_prefill_bf16_d32, KernelId::attn_decode_bf16_d32, KernelId::attn_decode_split_bf16_d32,
+     KernelId::attn_decode_prep_bf16_d32, KernelId::attn_decode_split_prep_bf16_d32},
+    {KernelId::attn_prefill_bf16_d64, KernelId::attn_decode_bf16_d64, KernelId::attn_decode_split_bf16_d64,
+     KernelId::attn_decode_prep_bf16_d64, KernelId::attn_decode_split_prep_bf16_d64},
+    {KernelId::attn_prefill_bf16_d128, KernelId::attn_decode_bf16_d128, KernelId::attn_decode_split_bf16_d128,
+     KernelId::attn_decode_prep_bf16_d128, KernelId::attn_decode_split_prep_bf16_d128},
+    {KernelId::attn_prefill_bf16_d256, KernelId::attn_decode_bf16_d256, KernelId::attn_decode_split_bf16_d256,
+     KernelId::attn_decode_prep_bf16_d256, KernelId::attn_decode_split_prep_bf16_d256}};
+constexpr int kHeadDims[] = {32, 64, 128, 256};
+constexpr int kModeArgs[5][2] = {{0, false}, {1, false}, {2, false}, {1, true}, {2, true}};  // attn_impl's MODE, PREP
+constexpr bool attn_kernels_ordered() {
+  for (int i = 0; i < 4; ++i)
+    for (int m = 0; m < 5; ++m)
+      if (!kernel_instantiates(kAttnKernels[i][m], "attn_impl", {kHeadDims[i], kModeArgs[m][0], kModeArgs[m][1]}))
+        return false;
+  return true;
+}
+static_assert(attn_kernels_ordered(), "kAttnKernels[d][mode] is attn_impl<d, MODE, PREP> of mode");
+
 KernelId attn_kernel(int d, int mode) {
-  static constexpr KernelId table[4][5] = {
-      {KernelId::attn_prefill_bf16_d32, KernelId::attn_decode_bf16_d32, KernelId::attn_decode_split_bf16_d32,
-       KernelId::attn_decode_prep_bf16_d32, KernelId::attn_decode_split_prep_bf16_d32},
-      {KernelId::attn_prefill_bf16_d64, KernelId::attn_decode_bf16_d64, KernelId::attn_decode_split_bf16_d64,
-       KernelId::attn_decode_prep_bf16_d64, KernelId::attn_decode_split_prep_bf16_d64},
-      {KernelId::attn_prefill_bf16_d128, KernelId::attn_decode_bf16_d128, KernelId::attn_decode_split_bf16_d128,
-       KernelId::attn_decode_prep_bf16_d128, KernelId::attn_decode_split_prep_bf16_d128},
-      {KernelId::attn_prefill_bf16_d256, KernelId::attn_decode_bf16_d256, KernelId::attn_decode_split_bf16_d256,
-       KernelId::attn_decode_prep_bf16_d256, KernelId::attn_decode_split_prep_bf16_d256}};
   const int i = d == 32 ? 0 : d == 64 ? 1 : d == 128 ? 2 : 3;
-  return table[i][mode];
+  return kAttnKernels[i][mode];
 }
 
 // attn_impl declares the split partials in every mode; the prefill and general decode modes never touch

@@ -23,7 +23,6 @@ static_assert(sizeof(DenseArgs) == 40);
 // OutMode (encoders.h) indexes the kernel tables below and is the kernels' LilyOutMode template value.
 static_assert(int(OutMode::bf16) == LILY_OUT_BF16 && int(OutMode::f32) == LILY_OUT_F32 &&
               int(OutMode::f32_add) == LILY_OUT_F32_ADD);
-static_assert(LILY_W_Q4 == 0 && LILY_W_Q8 == 1 && LILY_W_BF16 == 2);
 
 namespace {
 
@@ -42,6 +41,11 @@ constexpr KernelId kGemmTensor[3][3] = {
     {KernelId::qgemm_tensor_q8_bf16, KernelId::qgemm_tensor_q8_f32, KernelId::qgemm_tensor_q8_f32add},
     {KernelId::qgemm_tensor_bf16_bf16, KernelId::qgemm_tensor_bf16_f32, KernelId::qgemm_tensor_bf16_f32add},
 };
+constexpr int kOutModes[] = {LILY_OUT_BF16, LILY_OUT_F32, LILY_OUT_F32_ADD};
+static_assert(table_instantiates(kGemv, "qgemv", kWeightFormats, kOutModes), "kGemv[format][mode] is qgemv<format, mode>");
+static_assert(table_instantiates(kGemm, "qgemm", kWeightFormats, kOutModes), "kGemm[format][mode] is qgemm<format, mode>");
+static_assert(table_instantiates(kGemmTensor, "qgemm_tensor", kWeightFormats, kOutModes),
+              "kGemmTensor[format][mode] is qgemm_tensor<format, mode>");
 
 }  // namespace
 

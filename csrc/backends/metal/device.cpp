@@ -157,6 +157,12 @@ void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const v
     throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": " + std::to_string(n) +
                                 " threads per threadgroup, the device allows " + std::to_string(limit) +
                                 " for this kernel");
+  const uint64_t tg_static = static_threadgroup_bytes(kernel), tg_dynamic = (uint64_t(threadgroup_bytes) + 15) & ~15ull;
+  if (tg_static + tg_dynamic > kMaxThreadgroupMemory)
+    throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": " + std::to_string(tg_static) +
+                                " bytes of static threadgroup memory + " + std::to_string(tg_dynamic) +
+                                " set by the host exceed the " + std::to_string(kMaxThreadgroupMemory) +
+                                "-byte limit per threadgroup");
   if (hazard) barrier();
   for (const Binding& b : list) {
     const Range r{b.buffer, b.offset, b.bytes ? b.offset + b.bytes : b.buffer->size};
@@ -169,6 +175,8 @@ void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const v
 }
 
 uint32_t Encoder::max_threads(KernelId) const { return 1024; }
+
+uint32_t Encoder::static_threadgroup_bytes(KernelId) const { return 0; }
 
 void Encoder::barrier() {
   // A barrier with nothing recorded before it in the stage orders nothing: it is dropped, so the stage

@@ -104,6 +104,10 @@ class Encoder {
   // whose register use lowers its maxTotalThreadsPerThreadgroup; EmuOptions::max_threads). dispatch() refuses
   // more; encoders of kernels that adapt to fewer threads (sample_token) size their threadgroups by it.
   virtual uint32_t max_threads(KernelId kernel) const;
+  static constexpr uint64_t kMaxThreadgroupMemory = 32768;  // static + dynamic, per threadgroup, every Apple GPU
+  // The static threadgroup memory of `kernel` (a Metal pipeline's staticThreadgroupMemoryLength; 0 where the
+  // device cannot tell before running it). dispatch() refuses static + threadgroup_bytes above Apple's 32 KB.
+  virtual uint32_t static_threadgroup_bytes(KernelId kernel) const;
   uint64_t dispatches() const { return dispatches_; }
   bool tensor_ops = false;  // the device's has_tensor_ops(), set by its command buffer (encoders pick kernels)
   uint64_t barriers() const { return barriers_; }

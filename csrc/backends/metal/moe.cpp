@@ -62,6 +62,15 @@ constexpr KernelId kGemvGateUp[3] = {KernelId::moe_gemv_gate_up_q4, KernelId::mo
 constexpr KernelId kGemvGateUpTopk[3] = {KernelId::moe_gemv_gate_up_topk_q4, KernelId::moe_gemv_gate_up_topk_q8,
                                          KernelId::moe_gemv_gate_up_topk_bf16};
 constexpr KernelId kGemvDown[3] = {KernelId::moe_gemv_down_q4, KernelId::moe_gemv_down_q8, KernelId::moe_gemv_down_bf16};
+constexpr int kTileRows[] = {16, 32};  // the second index: bm == 32
+static_assert(table_instantiates(kRouteLogits, "moe_route_logits", kWeightFormats));
+static_assert(table_instantiates(kGemmGateUp, "moe_gemm_gate_up", kWeightFormats, kTileRows));
+static_assert(table_instantiates(kGemmDown, "moe_gemm_down", kWeightFormats, kTileRows));
+static_assert(table_instantiates(kGemmGateUpTensor, "moe_gemm_gate_up_tensor", kWeightFormats, kTileRows));
+static_assert(table_instantiates(kGemmDownTensor, "moe_gemm_down_tensor", kWeightFormats, kTileRows));
+static_assert(table_instantiates(kGemvGateUp, "moe_gemv_gate_up", kWeightFormats));
+static_assert(table_instantiates(kGemvGateUpTopk, "moe_gemv_gate_up_topk", kWeightFormats));
+static_assert(table_instantiates(kGemvDown, "moe_gemv_down", kWeightFormats));
 
 uint32_t cdiv(int64_t a, int64_t b) { return uint32_t((a + b - 1) / b); }
 

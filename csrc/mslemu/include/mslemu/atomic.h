@@ -30,6 +30,13 @@ typedef atomic<float> atomic_float;
 
 namespace detail {
 template <class A> constexpr bool holds_float = std::is_same_v<remove_cv_t<remove_addrspace_t<A>>, atomic<float>>;
+template <class A> constexpr bool in_device_memory = false;
+template <class A> constexpr bool in_device_memory<__attribute__((address_space(1))) A> = true;
+// Apple's compiler has atomic_float in device memory only (lower.py RULES['float-atomic']).
+template <class A> constexpr bool allowed = !holds_float<A> || in_device_memory<A>;
+#define MSLEMU_CHECK_ATOMIC(A)                                                                                \
+  static_assert(::metal::detail::allowed<A>, "a threadgroup or thread atomic_float [MSL rule 'float-atomic': " \
+                "atomic_float exists in device memory only (§2.6 Atomic Data Types, §6.15 Atomic Functions)]")
 template <class A> using atomic_value_t = conditional_t<holds_float<A>, float, decltype(remove_cv_t<remove_addrspace_t<A>>::v)>;
 template <class A, class F> inline atomic_value_t<A> update(A* o, F f) {  // CAS loop; returns the old value
   auto old = __atomic_load_n(&o->v, __ATOMIC_RELAXED);
@@ -46,19 +53,23 @@ template <class A, class F> inline atomic_value_t<A> update(A* o, F f) {  // CAS
 }  // namespace detail
 
 template <class A, class C> inline void atomic_store_explicit(A* o, C desired, memory_order) {
+  MSLEMU_CHECK_ATOMIC(A);
   if constexpr (detail::holds_float<A>) __atomic_store_n(&o->v, as_type<uint>((float)desired), __ATOMIC_RELAXED);
   else __atomic_store_n(&o->v, desired, __ATOMIC_RELAXED);
 }
 template <class A> inline detail::atomic_value_t<A> atomic_load_explicit(A* o, memory_order) {
+  MSLEMU_CHECK_ATOMIC(A);
   if constexpr (detail::holds_float<A>) return as_type<float>(__atomic_load_n(&o->v, __ATOMIC_RELAXED));
   else return __atomic_load_n(&o->v, __ATOMIC_RELAXED);
 }
 template <class A, class C> inline detail::atomic_value_t<A> atomic_exchange_explicit(A* o, C desired, memory_order) {
+  MSLEMU_CHECK_ATOMIC(A);
   if constexpr (detail::holds_float<A>) return as_type<float>(__atomic_exchange_n(&o->v, as_type<uint>((float)desired), __ATOMIC_RELAXED));
   else return __atomic_exchange_n(&o->v, desired, __ATOMIC_RELAXED);
 }
 template <class A, class E, class C>
 inline bool atomic_compare_exchange_weak_explicit(A* o, E* expected, C desired, memory_order, memory_order) {
+  MSLEMU_CHECK_ATOMIC(A);
   if constexpr (detail::holds_float<A>) {
     uint want = as_type<uint>((float)*expected), got = want;
     if (__atomic_compare_exchange_n(&o->v, &got, as_type<uint>((float)desired), false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return true;
@@ -75,6 +86,7 @@ inline bool atomic_compare_exchange_strong_explicit(A* o, E* expected, C desired
 
 #define MSLEMU_ATOMIC_RMW(name, builtin, op)                                                        \
   template <class A, class C> inline detail::atomic_value_t<A> name(A* o, C operand, memory_order) { \
+    MSLEMU_CHECK_ATOMIC(A);                                                                        \
     if constexpr (detail::holds_float<A>) {                                                        \
       const float x = (float)operand;                                                              \
       return detail::update(o, [x](float old) { return op; });                                     \
@@ -89,10 +101,12 @@ template <class A, class C> inline detail::atomic_value_t<A> atomic_fetch_and_ex
 template <class A, class C> inline detail::atomic_value_t<A> atomic_fetch_or_explicit(A* o, C x, memory_order) { return __atomic_fetch_or(&o->v, x, __ATOMIC_RELAXED); }
 template <class A, class C> inline detail::atomic_value_t<A> atomic_fetch_xor_explicit(A* o, C x, memory_order) { return __atomic_fetch_xor(&o->v, x, __ATOMIC_RELAXED); }
 template <class A, class C> inline detail::atomic_value_t<A> atomic_fetch_max_explicit(A* o, C x, memory_order) {
+  MSLEMU_CHECK_ATOMIC(A);
   using V = detail::atomic_value_t<A>;
   return detail::update(o, [x](V old) { return old < (V)x ? (V)x : old; });
 }
 template <class A, class C> inline detail::atomic_value_t<A> atomic_fetch_min_explicit(A* o, C x, memory_order) {
+  MSLEMU_CHECK_ATOMIC(A);
   using V = detail::atomic_value_t<A>;
   return detail::update(o, [x](V old) { return (V)x < old ? (V)x : old; });
 }
