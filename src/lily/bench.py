@@ -417,8 +417,9 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
                         secs[name].append(r.prefill(prompts[n]))
                         if before is not None and rnd == 0:
                             after = engine.counters()
-                            counter_out["prefill"][str(n)] = {"run": _counter_delta(after["prefill"]["total"], before["prefill"]["total"]),
-                                                              "last": after["prefill"]["last"]}
+                            counter_out["prefill"][str(n)] = {
+                                "run": _counter_delta(after["prefill"]["total"], before["prefill"]["total"]),
+                                "last": after["prefill"]["last"]}
                         order.append({"phase": "prefill", "length": n, "round": rnd, "engine": name})
                         bar.update()
                 entry = {"length": n, **{name: _median_entry(secs[name], n) for name in names}}

@@ -48,8 +48,8 @@ class Entry:
 
 def read_header(path: Path, error: type[Exception] = ValueError) -> tuple[dict[str, Entry], dict]:
     """Parses and checks one safetensors header without reading tensor data: {name: Entry} in header order
-    and the __metadata__ dict. Rejects a truncated file, a header whose offsets leave the file or disagree with dtype × shape, and
-    overlapping tensors, raising `error` naming the file and the tensor."""
+    and the __metadata__ dict. Rejects a truncated file, a header whose offsets leave the file or disagree with
+    dtype × shape, and overlapping tensors, raising `error` naming the file and the tensor."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)

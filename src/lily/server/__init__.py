@@ -42,8 +42,9 @@ json_object adds a system instruction asking for one JSON object; there is no co
 is not guaranteed to parse (check it). tool_choice "required" or a named function forces the call by prefilling
 the start of the XML call (`<tool_call>\\n<function=`) after an empty thinking block: thinking is off for those
 requests, and a call the model then writes malformed comes back as content. tool_choice "none" leaves the tools
-out of the prompt. The `model` field names the served model (--served-model-name) or one of its aliases (--alias, repeatable; all
-listed by /v1/models and as the field's enum in /openapi.json); any other name is a 404 model_not_found.
+out of the prompt. The `model` field names the served model (--served-model-name) or one of its aliases
+(--alias, repeatable; all listed by /v1/models and as the field's enum in /openapi.json); any other name is a 404
+model_not_found.
 A disconnect during a prompt's prefill takes effect before its next chunk (the engine checks the request's
 CancelFlag between chunks). Logprob `bytes` are the UTF-8 of each token's text (a token that ends inside a character shows
 U+FFFD). Serve one app per Engine: the engine runs one request at a time.
