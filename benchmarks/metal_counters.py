@@ -2,7 +2,7 @@
 decode step through the first layers of a full-size checkpoint, against the minimum bytes.
 
     python benchmarks/metal_counters.py [--model synthetic:full] [--layers 4] [--chunk 32] [--json out.json]
-                                        [--options '{"fuse_route": false}'] [--ablations]
+                                        [--options JSON] [--fusions '{"route": false}'] [--ablations]
                                         [--memory 32,128,512,2048]
 
 The emulator is far too slow for all 40 layers, so the model is cut to its first `--layers` layers (by a
@@ -13,7 +13,7 @@ each, the embedding row and the full lm_head. Per-layer figures scale to 40 laye
 Extrapolation to the whole model (--layers 4 = one 3 GDN + 1 attention pattern of Qwen3.6's 40 layers): the
 decode step's per-step overhead (embed, the final norm + lm_head, the on-device argmax of a generation step) is
 known from the schedule; the rest is one pattern, ×10. --ablations repeats the decode counters with each
-MetalOptions switch off (csrc/backends/metal/metal_backend.h), side by side. --memory lists the device memory
+switch of lily.bench.ABLATIONS off (the schedule's Fusions and the backend's MetalOptions), side by side. --memory lists the device memory
 the engine allocates for temporaries (activations and scratch, logits rows, the ring of token-id buffers) per prefill
 chunk size: what bounds a prompt's peak temporary memory (the KV cache and GDN state belong to sessions).
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 import lily
-from lily.bench import ABLATIONS, BANDWIDTHS, minimum_decode_bytes
+from lily.bench import ABLATIONS, BANDWIDTHS, minimum_decode_bytes, with_switches
 from lily.checkpoint import read_checkpoint, resolve
 
 ROLES = ("weights", "kv", "state", "activations", "io")
@@ -52,14 +52,15 @@ def truncated_model(src: Path, layers: int, into: Path) -> Path:
     return into
 
 
-def extrapolate(dec: dict, layer_types: list, options: dict, total_layers: int = 40) -> dict:
+def extrapolate(dec: dict, layer_types: list, switches: dict, total_layers: int = 40) -> dict:
     """Dispatches / stages of one greedy generation step of the whole model from a decode step of the cut.
     The cut's step = embed + layers + lm_head (1 dispatch fused with its norm, else rmsnorm + qgemv; with
-    fuse_dequant off one dispatch more, the dequant pass, which joins an earlier stage); a generation step adds
-    the on-device argmax (one more dispatch and stage)."""
+    the dequant fusion off one dispatch more, the dequant pass, which joins an earlier stage); a generation step
+    adds the on-device argmax (one more dispatch and stage). `switches`: the Engine's fusions / metal_options."""
     patterns = len(layer_types) / 4  # 3 GDN + 1 attention each
-    norm = 1 if options.get("fuse_norm_project", True) else 2
-    lm = {"dispatches": norm + (0 if options.get("fuse_dequant", True) else 1), "stages": norm}
+    fusions = switches.get("fusions", {})
+    norm = 1 if fusions.get("norm_project", True) else 2
+    lm = {"dispatches": norm + (0 if fusions.get("dequant", True) else 1), "stages": norm}
     out = {}
     for key in ("dispatches", "stages"):
         overhead = 1 + lm[key]
@@ -69,10 +70,10 @@ def extrapolate(dec: dict, layer_types: list, options: dict, total_layers: int =
     return out
 
 
-def decode_counters(src: Path, layers: int, chunk: int, options: dict) -> tuple:
+def decode_counters(src: Path, layers: int, chunk: int, switches: dict) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
         ck = read_checkpoint(truncated_model(src, layers, Path(tmp)))
-        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=chunk, count_bytes=True, metal_options=options)
+        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=chunk, count_bytes=True, **switches)
         rng = np.random.default_rng(0)
         s = e.new_session()
         e.prefill(rng.integers(0, 1000, size=chunk), s)
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk rows")
     ap.add_argument("--json")
     ap.add_argument("--options", default="{}", help="MetalOptions as JSON (lily.Engine metal_options)")
+    ap.add_argument("--fusions", default="{}", help="decode fusions as JSON (lily.Engine fusions)")
     ap.add_argument("--ablations", action="store_true", help="also the decode counters with each switch off")
     ap.add_argument("--memory", help="comma-separated prefill chunk sizes: the temporaries each allocates")
     args = ap.parse_args()
@@ -112,12 +114,12 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"model": args.model, "temporaries": mem}, indent=1))
         return
-    options = json.loads(args.options)
+    options = {"metal_options": json.loads(args.options), "fusions": json.loads(args.fusions)}
     src = resolve(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         d = truncated_model(src, args.layers, Path(tmp))
         ck = read_checkpoint(d)
-        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=args.chunk, count_bytes=True, metal_options=options)
+        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=args.chunk, count_bytes=True, **options)
         rng = np.random.default_rng(0)
         s = e.new_session()
         t0 = time.perf_counter()
@@ -148,8 +150,9 @@ def main() -> None:
         print(f"{'ablation':30s} {'disp':>5s} {'stages':>6s} {'40L disp':>8s} {'40L stg':>7s} {'waits':>5s} "
               f"{'weights MB':>10s} {'kv MB':>6s} {'state MB':>8s} {'act MB r/w':>11s}")
         for name, opts in ABLATIONS.items():
-            d, types = decode_counters(src, args.layers, args.chunk, {**options, **opts})
-            x = extrapolate(d, types, {**options, **opts})
+            switches = with_switches(options, opts)
+            d, types = decode_counters(src, args.layers, args.chunk, switches)
+            x = extrapolate(d, types, switches)
             out["ablations"][name] = {"options": opts, "decode": d, "decode_40_layers": x}
             r, w = d["bytes_read"], d["bytes_written"]
             print(f"{name:30s} {d['dispatches']:5d} {d['stages']:6d} {x['dispatches']:8d} {x['stages']:7d} "

@@ -8,10 +8,10 @@ numbers at the real dimensions):
 * no CPU wait inside a decode step (the only wait is the token read after the step, to stream it);
 * counted decode bytes <= 1.05x the minimum at a context where the KV cache matters (benchmarks/metal_counters.py's
   minimum: every needed weight byte once, state read and written once, each KV row read once per KV head);
-* every ablation switch of MetalOptions (csrc/backends/metal/metal_backend.h), on and off, gives the same
-  logits within bf16 noise, and changes the counters the way it claims; each unfused decode fusion
-  (fuse_expert_swiglu, fuse_expert_combine, fuse_gdn_step, fuse_dequant) moves at least its intermediates through
-  memory, written and read back;
+* every ablation switch — the schedule's decode fusions (Fusions, csrc/schedule/backend.h) and MetalOptions
+  (csrc/backends/metal/metal_backend.h) — on and off, gives the same logits within bf16 noise, and changes the
+  counters the way it claims; each unfused decode fusion inside an op or a kernel (expert_swiglu,
+  expert_combine, gdn_step, dequant) moves at least its intermediates through memory, written and read back;
 * prompt chunking bounds the peak temporary device memory (activations + io) by the chunk, not the prompt.
 """
 import json
@@ -115,19 +115,20 @@ def test_decode_bytes_near_minimum():
 
 # ---------------------------------------------------------------- ablations
 
+# (Engine keyword arguments, a kernel the ablation runs)
 ABLATIONS = [
-    ({"fuse_norm_project": False}, "rmsnorm_f32_bf16"),
-    ({"fuse_route": False}, "moe_route_topk"),
-    ({"fuse_attn_prepare": False}, "attn_prepare_bf16"),
-    ({"fuse_expert_swiglu": False}, "moe_gemv_swiglu"),
-    ({"fuse_expert_combine": False}, "moe_combine_weighted"),
-    ({"fuse_gdn_step": False}, "gdn_scan_bf16"),
-    ({"fuse_dequant": False}, "qgemv_dequant_q4"),
-    ({"gqa_pack": False}, None),
-    ({"attn_path": 2}, "attn_decode_merge_bf16"),
-    ({"gpu_routing": False}, "moe_route_topk"),
-    ({"moe_tile_rows": 16}, None),
-    ({"moe_tile_rows": 32}, None),
+    ({"fusions": {"norm_project": False}}, "rmsnorm_f32_bf16"),
+    ({"fusions": {"route": False}}, "moe_route_topk"),
+    ({"fusions": {"attn_prepare": False}}, "attn_prepare_bf16"),
+    ({"fusions": {"expert_swiglu": False}}, "moe_gemv_swiglu"),
+    ({"fusions": {"expert_combine": False}}, "moe_combine_weighted"),
+    ({"fusions": {"gdn_step": False}}, "gdn_scan_bf16"),
+    ({"fusions": {"dequant": False}}, "qgemv_dequant_q4"),
+    ({"metal_options": {"gqa_pack": False}}, None),
+    ({"metal_options": {"attn_path": 2}}, "attn_decode_merge_bf16"),
+    ({"metal_options": {"gpu_routing": False}}, "moe_route_topk"),
+    ({"metal_options": {"moe_tile_rows": 16}}, None),
+    ({"metal_options": {"moe_tile_rows": 32}}, None),
 ]
 
 
@@ -147,7 +148,7 @@ def _run(e, prompt):
 @pytest.mark.parametrize("opts,kernel", ABLATIONS, ids=lambda v: json.dumps(v) if isinstance(v, dict) else str(v))
 def test_ablation_same_outputs(baseline, prompt, opts, kernel):
     (pre0, dec0), c0 = baseline
-    e = _engine(tm.get_model(tm.BASE, KIND), metal_options=opts)
+    e = _engine(tm.get_model(tm.BASE, KIND), **opts)
     pre, dec = _run(e, prompt)
     assert tm.rel_err_per_position(pre, pre0).max() < 2e-2
     assert tm.rel_err_per_position(dec, dec0).max() < 2e-2
@@ -156,17 +157,18 @@ def test_ablation_same_outputs(baseline, prompt, opts, kernel):
     if kernel:
         assert any(k.startswith(kernel) for k in c["kernels"]) or \
             any(k.startswith(kernel) for k in e.counters()["decode"]["total"]["kernels"]), (opts, c["kernels"])
-    if opts.get("fuse_route") is False:  # the top-k is its own dispatch: the experts' GEMV takes the ids
+    fusions = opts.get("fusions", {})
+    if fusions.get("route") is False:  # the top-k is its own dispatch: the experts' GEMV takes the ids
         assert "moe_route_topk" in c["kernels"], c["kernels"]
         assert any(k.rsplit("_", 1)[0] == "moe_gemv_gate_up" for k in c["kernels"]), c["kernels"]
-    if opts.get("gpu_routing") is False:
+    if opts.get("metal_options", {}).get("gpu_routing") is False:
         assert c["cpu_waits_in_step"] > 0 and c["command_buffers"] > 1
     base = c0["decode"]["last"]
-    if "fuse_dequant" in opts:
+    if "dequant" in fusions:
         # A dequant pass depends on nothing but the weights (and on its scratch being read by the previous
         # GEMV): the derived barriers let it join the stage before its GEMV, so only dispatches grow.
         assert c["dispatches"] > base["dispatches"] and c["stages"] == base["stages"]
-    elif any(k.startswith("fuse_") for k in opts):
+    elif fusions:
         assert c["dispatches"] > base["dispatches"] and c["stages"] > base["stages"]
 
 
@@ -180,11 +182,11 @@ def _intermediate_bytes(ck, switch):
     reads (GDN / attention projections, lm_head)."""
     c = ck.config
     L, k, H = len(c.layer_types), c.num_experts_per_tok, c.hidden_size
-    if switch == "fuse_expert_swiglu":
+    if switch == "expert_swiglu":
         return L * (k + 1) * 2 * max(c.moe_intermediate_size, c.shared_expert_intermediate_size) * 2
-    if switch == "fuse_expert_combine":
+    if switch == "expert_combine":
         return L * (k + 1) * H * 4
-    if switch == "fuse_gdn_step":
+    if switch == "gdn_step":
         nv, V = c.linear_num_value_heads, c.linear_num_value_heads * c.linear_value_head_dim
         return c.layer_types.count("linear_attention") * (c.conv_dim * 2 + nv * 2 * 4 + V * 4)
     dense = [s for s in ck.specs if s.bits and s.cols > 1 and s.name != "embed_tokens" and ".mlp." not in s.name]
@@ -199,19 +201,19 @@ def small4():
         yield read_checkpoint(mc.truncated_model(resolve("synthetic:small"), 4, Path(tmp)))
 
 
-def _step_counters(ck, opts):
-    e = lily.Engine(ck, backend="metal-emu", prefill_chunk=8, count_bytes=True, metal_options=opts)
+def _step_counters(ck, fusions):
+    e = lily.Engine(ck, backend="metal-emu", prefill_chunk=8, count_bytes=True, fusions=fusions)
     s = e.new_session()
     e.prefill(np.arange(8) + 5, s)
     e.prefill([7], s)
     return e.counters()["decode"]["last"]
 
 
-@pytest.mark.parametrize("switch", ["fuse_expert_swiglu", "fuse_expert_combine", "fuse_gdn_step", "fuse_dequant"])
+@pytest.mark.parametrize("switch", ["expert_swiglu", "expert_combine", "gdn_step", "dequant"])
 def test_unfused_moves_its_intermediates(small4, switch):
     """Off, each decode fusion writes its intermediates and reads them back: activation traffic (read + written)
     grows by at least twice their size. The checkpoint bytes read stay the same: the dequantised copies of
-    fuse_dequant off are Role::activations (a per-step scratch written and read back, not stored weights), so the
+    the dequant fusion off are Role::activations (a per-step scratch written and read back, not stored weights), so the
     weights role keeps counting what is read from the checkpoint, once either way."""
     on, off = _step_counters(small4, {}), _step_counters(small4, {switch: False})
     act = lambda c: c["bytes_read"]["activations"] + c["bytes_written"]["activations"]
@@ -225,6 +227,8 @@ def test_unfused_moves_its_intermediates(small4, switch):
 def test_unknown_option_is_an_error():
     with pytest.raises(Exception, match="unknown metal option"):
         _engine(tm.get_model(tm.BASE, KIND), metal_options={"no_such_switch": True})
+    with pytest.raises(Exception, match="unknown fusion 'fuse_route'"):  # the fusions are Engine(fusions=...) now
+        _engine(tm.get_model(tm.BASE, KIND), metal_options={}, fusions={"fuse_route": False})
 
 
 @pytest.mark.parametrize("chunk", [4, 16])

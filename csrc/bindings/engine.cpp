@@ -12,6 +12,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/optional.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "../backends/metal/metal_backend.h"
@@ -39,25 +40,38 @@ static metal::MetalOptions metal_options_of(const nb::dict& d) {
   metal::MetalOptions o;
   for (auto [k, v] : d) {
     const std::string key = nb::cast<std::string>(k);
-    if (key == "fuse_norm_project") o.fuse_norm_project = nb::cast<bool>(v);
-    else if (key == "fuse_route") o.fuse_route = nb::cast<bool>(v);
-    else if (key == "fuse_attn_prepare") o.fuse_attn_prepare = nb::cast<bool>(v);
-    else if (key == "fuse_expert_swiglu") o.fuse_expert_swiglu = nb::cast<bool>(v);
-    else if (key == "fuse_expert_combine") o.fuse_expert_combine = nb::cast<bool>(v);
-    else if (key == "fuse_gdn_step") o.fuse_gdn_step = nb::cast<bool>(v);
-    else if (key == "fuse_dequant") o.fuse_dequant = nb::cast<bool>(v);
-    else if (key == "gqa_pack") o.gqa_pack = nb::cast<bool>(v);
+    if (key == "gqa_pack") o.gqa_pack = nb::cast<bool>(v);
     else if (key == "pipeline") o.pipeline = nb::cast<bool>(v);
     else if (key == "attn_path") o.attn_path = nb::cast<int>(v);
     else if (key == "gpu_routing") o.gpu_routing = nb::cast<bool>(v);
     else if (key == "moe_tile_rows") o.moe_tile_rows = nb::cast<int>(v);
     else
       throw std::invalid_argument("[engine] unknown metal option '" + key +
-                                  "' (fuse_norm_project, fuse_route, fuse_attn_prepare, fuse_expert_swiglu, "
-                                  "fuse_expert_combine, fuse_gdn_step, fuse_dequant, gqa_pack, attn_path, "
-                                  "gpu_routing, moe_tile_rows, pipeline)");
+                                  "' (gqa_pack, attn_path, gpu_routing, moe_tile_rows, pipeline; the decode fusions "
+                                  "are Engine(fusions=...))");
   }
   return o;
+}
+
+// `fusions`: Fusions (schedule/backend.h) by field name, each a bool; an unknown name is an error.
+static Fusions fusions_of(const nb::dict& d) {
+  Fusions f;
+  const std::pair<const char*, bool Fusions::*> fields[] = {
+      {"norm_project", &Fusions::norm_project}, {"route", &Fusions::route},
+      {"attn_prepare", &Fusions::attn_prepare}, {"gdn_step", &Fusions::gdn_step},
+      {"expert_swiglu", &Fusions::expert_swiglu}, {"expert_combine", &Fusions::expert_combine},
+      {"dequant", &Fusions::dequant}};
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(k);
+    auto it = std::find_if(std::begin(fields), std::end(fields), [&](const auto& fd) { return key == fd.first; });
+    if (it == std::end(fields)) {
+      std::string names;
+      for (const auto& fd : fields) names += std::string(names.empty() ? "" : ", ") + fd.first;
+      throw std::invalid_argument("[engine] unknown fusion '" + key + "' (" + names + ")");
+    }
+    f.*(it->second) = nb::cast<bool>(v);
+  }
+  return f;
 }
 
 static std::unique_ptr<Backend> make_backend(const std::string& name, const Model& model, int max_rows, int threads,
@@ -212,23 +226,24 @@ void init_engine(nb::module_& m) {
   nb::class_<Engine>(m, "Engine")
       .def("__init__",
            [](Engine* self, std::shared_ptr<Model> model, const std::string& backend, int max_rows, int threads,
-              int64_t max_context, const std::string& library, bool count_bytes, const nb::dict& metal_options) {
+              int64_t max_context, const std::string& library, bool count_bytes, const nb::dict& metal_options,
+              const nb::dict& fusions) {
              auto b = make_backend(backend, *model, max_rows, threads, library, count_bytes,
                                    metal_options_of(metal_options));
-             new (self) Engine(std::move(model), std::move(b), max_context);
+             new (self) Engine(std::move(model), std::move(b), max_context, fusions_of(fusions));
            },
            nb::arg("model"), nb::arg("backend") = "reference", nb::arg("max_rows") = 512, nb::arg("threads") = 0,
            nb::arg("max_context") = 262144, nb::arg("library") = "", nb::arg("count_bytes") = true,
-           nb::arg("metal_options") = nb::dict())
+           nb::arg("metal_options") = nb::dict(), nb::arg("fusions") = nb::dict())
       .def(
           "counters",
           [](Engine& e) {
             // {"prefill": {"last": ..., "total": ...}, "decode": {...}}: what the device spent on the last
             // prefill chunk / decode step, and on all of them (metal backends only; {} otherwise).
             nb::dict d;
-            auto* mb = dynamic_cast<metal::MetalBackend*>(&e.backend());
+            auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
             if (!mb) return d;
-            for (auto [name, phase] : {std::pair{"prefill", metal::Phase::prefill}, std::pair{"decode", metal::Phase::decode}}) {
+            for (auto [name, phase] : {std::pair{"prefill", Phase::prefill}, std::pair{"decode", Phase::decode}}) {
               nb::dict p;
               p["last"] = metal::counters_dict(mb->counters(phase, false));
               p["total"] = metal::counters_dict(mb->counters(phase, true));
@@ -243,9 +258,9 @@ void init_engine(nb::module_& m) {
             // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total"}: device memory the
             // backend allocated (mapped weight files not included); metal backends only ({} otherwise).
             nb::dict d;
-            auto* mb = dynamic_cast<metal::MetalBackend*>(&e.backend());
+            auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
             if (!mb) return d;
-            const metal::Memory m = mb->device().memory();
+            const gpu::Memory m = mb->device().memory();
             nb::dict live, peak;
             for (int r = 0; r < int(metal::Role::count); ++r) {
               live[metal::role_name(metal::Role(r))] = m.live[r];

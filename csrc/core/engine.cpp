@@ -9,8 +9,8 @@
 
 namespace lily {
 
-Engine::Engine(std::shared_ptr<Model> model, std::unique_ptr<Backend> backend, int64_t max_context)
-    : model_(std::move(model)), backend_(std::move(backend)), max_context_(max_context) {
+Engine::Engine(std::shared_ptr<Model> model, std::unique_ptr<Backend> backend, int64_t max_context, Fusions fusions)
+    : model_(std::move(model)), backend_(std::move(backend)), max_context_(max_context), fusions_(fusions) {
   if (max_context_ <= 0) throw std::invalid_argument("[engine] max_context must be positive");
 }
 
@@ -55,13 +55,13 @@ std::vector<float> Engine::logits(Session& s, const int32_t* tokens, int64_t n, 
   const int V = model_->config().vocab, rows = chunk_rows(chunk);
   std::vector<float> out(size_t(n) * V);
   if (n == 1) {
-    schedule::decode_step(*backend_, *model_, *s.state, tokens);
+    schedule::decode_step(*backend_, *model_, fusions_, *s.state, tokens);
     backend_->read_logits(out.data(), 1);
     s.decoded += 1;
   } else {
     for (int64_t i = 0; i < n; i += rows) {
       const int T = int(std::min<int64_t>(rows, n - i));
-      schedule::prefill_chunk(*backend_, *model_, *s.state, tokens + i, T, schedule::Logits::all);
+      schedule::prefill_chunk(*backend_, *model_, fusions_, *s.state, tokens + i, T, schedule::Logits::all);
       backend_->read_logits(out.data() + size_t(i) * V, T);
     }
     s.prefilled += n;
@@ -80,7 +80,7 @@ void Engine::prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bo
     }
     const int T = int(std::min<int64_t>(rows, n - i));
     const bool last = i + T == n;
-    schedule::prefill_chunk(*backend_, *model_, *s.state, tokens + i, T,
+    schedule::prefill_chunk(*backend_, *model_, fusions_, *s.state, tokens + i, T,
                             last ? schedule::Logits::last : schedule::Logits::none, last && select);
   }
   s.tokens.insert(s.tokens.end(), tokens, tokens + n);
@@ -93,7 +93,7 @@ std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, in
   check_tokens(tokens, n, model_->config().vocab);
   std::vector<float> out(size_t(model_->config().vocab));
   if (n == 1) {
-    schedule::decode_step(*backend_, *model_, *s.state, tokens);
+    schedule::decode_step(*backend_, *model_, fusions_, *s.state, tokens);
     s.decoded += 1;
     s.tokens.push_back(tokens[0]);
   } else {
@@ -161,7 +161,7 @@ Generation::~Generation() {
 }
 
 void Generation::feed(const int32_t* host_token) {
-  schedule::decode_step(*e_.backend_, *e_.model_, *s_.state, host_token, true);
+  schedule::decode_step(*e_.backend_, *e_.model_, e_.fusions_, *s_.state, host_token, true);
   s_.decoded += 1;
 }
 
@@ -191,7 +191,7 @@ TokenChoice Generation::next() {
     }
     b.select_begin(sampler_);
     if (n == 1) {
-      schedule::decode_step(b, m, *s_.state, prompt_.data(), true);
+      schedule::decode_step(b, m, e_.fusions_, *s_.state, prompt_.data(), true);
       s_.decoded += 1;
       s_.tokens.push_back(prompt_[0]);
     } else if (n > 1) {

@@ -95,11 +95,13 @@ class Generation {
 
 class Engine {
  public:
-  Engine(std::shared_ptr<Model> model, std::unique_ptr<Backend> backend, int64_t max_context);
+  // `fusions`: the decode fusions the schedule uses (backend.h; all on by default, off for matched ablations).
+  Engine(std::shared_ptr<Model> model, std::unique_ptr<Backend> backend, int64_t max_context, Fusions fusions = {});
 
   const Model& model() const { return *model_; }
   Backend& backend() { return *backend_; }
   int64_t max_context() const { return max_context_; }
+  const Fusions& fusions() const { return fusions_; }
 
   std::unique_ptr<Session> new_session();
   std::unique_ptr<Session> clone_session(const Session& s);
@@ -137,6 +139,7 @@ class Engine {
   std::shared_ptr<Model> model_;
   std::unique_ptr<Backend> backend_;
   int64_t max_context_;
+  Fusions fusions_;
 };
 
 }  // namespace lily

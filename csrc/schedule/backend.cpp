@@ -26,6 +26,11 @@ int64_t act_width(const ModelConfig& c, Act a) {
   return 0;
 }
 
+void Backend::norm_then_project(Act in, const Vec& w, std::initializer_list<Projection> ps, int T) {
+  rmsnorm(in, Act::xn, w, T);
+  for (const Projection& p : ps) project(Act::xn, p.out, *p.W, T, false);
+}
+
 std::vector<StateTensor> Backend::export_state(const State&) {
   throw std::runtime_error("[" + name() + "] this backend cannot export session state yet (Backend::export_state)");
 }

@@ -1,7 +1,7 @@
-// The op interface every backend implements, at the granularity of the write-up's fused kernels.
-// The schedule (prefill.cpp, decode.cpp) is written once against it: which op, in what order, on which
-// activation buffer. Backends decide how: backends/reference runs plain fp32 C++, backends/metal records
-// Metal kernels into a command buffer (on a Mac, or through the MSL emulator anywhere).
+// The op interface every backend implements, at the granularity of the GPU path's kernels (docs/design.md).
+// The schedule (schedule.cpp) is written once against it: which op, in what order, on which activation
+// buffer, in which phase, fused or not. Backends decide how: backends/reference runs plain fp32 C++,
+// backends/metal records Metal kernels into a command buffer (on a Mac, or through the MSL emulator anywhere).
 #pragma once
 #include <cstdint>
 #include <initializer_list>
@@ -32,6 +32,35 @@ enum class Act : uint8_t {
 };
 const char* act_name(Act a);
 int64_t act_width(const ModelConfig& c, Act a);  // row width in elements
+
+enum class Phase : uint8_t { prefill, decode };
+
+// The decode fusions, each a switch for matched ablations (docs/performance.md shows what each changes in the
+// counters; tests/test_metal_goals.py that each gives the same outputs). Default: all on. The schedule consults
+// them (schedule.cpp); from Python: lily.Engine(ckpt, fusions={"route": False, ...}).
+struct Fusions {
+  // Each input RMSNorm inside the projections that consume it, the projections sharing an input (GDN
+  // qkv/z/b/a, attention q/k/v) in one dispatch, the final norm inside lm_head (norm_project, norm_lm_head).
+  // Off: rmsnorm + one GEMV per matrix.
+  bool norm_project = true;
+  // Post-norm + router + shared-expert gate logits in one dispatch, the top-k inside the experts' gate/up GEMV
+  // (moe_norm_route). Off: rmsnorm, router logits, top-k, shared-gate logit as separate dispatches.
+  bool route = true;
+  // q/k RMSNorm + RoPE + KV-row write inside the attention kernel (attn_prepare_decode). Off: attn_prepare first.
+  bool attn_prepare = true;
+  // The GDN step (conv + SiLU, q/k l2-norm, gates, delta rule, gated norm) as one kernel (gdn_step). Off: the
+  // scan of one row (gdn_scan: conv, scan and gated norm kernels, intermediates through memory).
+  bool gdn_step = true;
+  // Inside moe_decode: the experts' gate/up GEMV applies SwiGLU before storing h. Off: gate and up rows go to
+  // scratch and a separate pass makes h.
+  bool expert_swiglu = true;
+  // Inside moe_decode: the experts' down GEMV applies the routing weights and the shared expert's sigmoid gate
+  // and adds into x. Off: each product goes to scratch and a separate pass weights and adds them.
+  bool expert_combine = true;
+  // Inside decode's dense GEMVs (and lm_head): 4/8-bit weights dequantised in registers. Off: each quantised
+  // matrix is first written as a bf16 copy that the bf16 GEMV then reads. Experts and router are unchanged.
+  bool dequant = true;
+};
 
 // Per-session model state: KV cache of the attention layers, conv and recurrent state of the GDN layers.
 struct State {
@@ -74,34 +103,9 @@ class Backend {
   // out ← W·in, or out += W·in (the residual add of out projections).
   virtual void project(Act in, Act out, const Linear& W, int T, bool accumulate) = 0;
 
-  // ---- fused variants the schedule chooses (STYLE.md): each default runs the plain ops above, which is what
-  // the reference backend does; a GPU backend may run them as one kernel.
-  // out_i ← W_i · RMSNorm(in) · w for the projections sharing the normed row (GDN in_proj qkv/z/b/a,
-  // attention q/k/v). Afterwards xn is unspecified (a fused kernel keeps the normed row on chip).
-  struct Projection {
-    const Linear* W;
-    Act out;
-  };
-  virtual void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps, int T) {
-    rmsnorm(in, Act::xn, w, T);
-    for (const Projection& p : ps) project(Act::xn, p.out, *p.W, T, false);
-  }
-  // xn ← RMSNorm(x) · w, then moe_route: the MoE's norm and routing (fused: one dispatch computes the router
-  // and shared-gate logits, the top-k moves into the experts' first GEMV).
-  virtual void moe_norm_route(int layer, const Vec& w, int T) {
-    rmsnorm(Act::x, Act::xn, w, T);
-    moe_route(layer, T);
-  }
-  // attn_prepare + attn_decode of one row (fused: the q/k preparation inside the attention kernel).
-  virtual void attn_prepare_decode(int layer, int64_t pos) {
-    attn_prepare(layer, 1, pos);
-    attn_decode(layer, pos);
-  }
-
   // Gated DeltaNet: conv + SiLU, l2-norm of q/k, gates, delta-rule recurrence, gated RMSNorm.
   // Reads qkv, z, beta, alpha; writes mix [T, V_dim]; updates the layer's conv and recurrent state.
-  virtual void gdn_prefill(int layer, int T) = 0;  // the scan over a chunk
-  virtual void gdn_decode(int layer) = 0;          // one fused step
+  virtual void gdn_scan(int layer, int T) = 0;  // the scan over T rows (prefill; decode with Fusions::gdn_step off)
 
   // Gated attention. prepare: q/k RMSNorm + RoPE, K/V written into the cache at [pos, pos + T).
   virtual void attn_prepare(int layer, int T, int64_t pos) = 0;
@@ -117,6 +121,37 @@ class Backend {
 
   // logits rows [0, rows) ← lm_head · RMSNorm(x rows [first, first + rows)).
   virtual void lm_head(int first, int rows) = 0;
+
+  // ---- fused decode ops: one row, called by the schedule in decode only, where the Fusions switch is on
+  // (the schedule runs the plain ops otherwise). Each default runs the plain ops, which is what the reference
+  // backend does; a GPU backend runs them as one kernel.
+  struct Projection {
+    const Linear* W;
+    Act out;
+  };
+  // The plain form of norm_project, for T rows: xn ← RMSNorm(in) · w, then out_i ← W_i · xn.
+  void norm_then_project(Act in, const Vec& w, std::initializer_list<Projection> ps, int T);
+  // out_i ← W_i · RMSNorm(in) · w for the projections sharing the normed row (GDN in_proj qkv/z/b/a,
+  // attention q/k/v). Afterwards xn is unspecified (a fused kernel keeps the normed row on chip).
+  virtual void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps) {
+    norm_then_project(in, w, ps, 1);
+  }
+  // lm_head(row, 1) with the final norm inside the projection (one row: the prompt's last or a decode step's;
+  // the schedule calls it in both phases under Fusions::norm_project, as nothing else reads that row's xn).
+  virtual void norm_lm_head(int row) { lm_head(row, 1); }
+  // xn ← RMSNorm(x) · w, then moe_route (fused: one dispatch computes the router and shared-gate logits and
+  // the top-k moves into moe_decode's first GEMV, so only moe_decode may follow).
+  virtual void moe_norm_route(int layer, const Vec& w) {
+    rmsnorm(Act::x, Act::xn, w, 1);
+    moe_route(layer, 1);
+  }
+  // attn_prepare + attn_decode of one row (fused: the q/k preparation inside the attention kernel).
+  virtual void attn_prepare_decode(int layer, int64_t pos) {
+    attn_prepare(layer, 1, pos);
+    attn_decode(layer, pos);
+  }
+  // gdn_scan of one row (fused: conv, norms, gates, update and gated norm in one kernel).
+  virtual void gdn_step(int layer) { gdn_scan(layer, 1); }
 
   // Token selection on the device (sampling.h semantics), so the token never visits the CPU between steps:
   // select_token picks from logits row 0 — the first maximum at temperature 0, else one draw — writes the
@@ -139,7 +174,11 @@ class Backend {
   virtual void rollback(State& s);
 
   // ---- submission ----
-  virtual void begin() {}   // start recording a chunk / step
+  // Start recording a prefill chunk or a decode step. The phase and the fusions are the schedule's: a backend
+  // never infers them from the row count. `fusions` names the variants inside one op's kernels
+  // (Fusions::expert_swiglu, expert_combine, dequant) that a backend reads; the others decide which ops the
+  // schedule calls.
+  virtual void begin(Phase, const Fusions&) {}
   virtual void commit() {}  // submit what was recorded (asynchronous on a GPU)
   // Wait for submitted work and copy logits rows [0, rows) to host memory [rows, V].
   virtual void read_logits(float* out, int rows) = 0;

@@ -264,43 +264,48 @@ def round_order(r: int, engines: list[str]) -> list[str]:
     return list(engines) if r % 2 == 0 else list(reversed(engines))
 
 
-# Each MetalOptions switch (csrc/backends/metal/metal_backend.h) turned to its ablation; all are on by default.
-# `lily bench --counters --ablations` and benchmarks/metal_counters.py --ablations report them side by side.
+# Each switch turned to its ablation, as Engine keyword arguments: the schedule's decode fusions (Fusions,
+# csrc/schedule/backend.h) and the Metal backend's own choices (MetalOptions, csrc/backends/metal/metal_backend.h);
+# all are on by default. `lily bench --counters --ablations` and benchmarks/metal_counters.py --ablations report
+# them side by side.
+FUSIONS = ("norm_project", "route", "attn_prepare", "expert_swiglu", "expert_combine", "gdn_step", "dequant")
 ABLATIONS = {
     "all on": {},
-    "fuse_norm_project off": {"fuse_norm_project": False},
-    "fuse_route off": {"fuse_route": False},
-    "fuse_attn_prepare off": {"fuse_attn_prepare": False},
-    "fuse_expert_swiglu off": {"fuse_expert_swiglu": False},
-    "fuse_expert_combine off": {"fuse_expert_combine": False},
-    "fuse_gdn_step off": {"fuse_gdn_step": False},
-    "fuse_dequant off": {"fuse_dequant": False},
-    "gqa_pack off": {"gqa_pack": False},
-    "attn_path split": {"attn_path": 2},
-    "gpu_routing off (CPU wait)": {"gpu_routing": False},
-    "pipeline off": {"pipeline": False},
-    "moe_tile_rows 16": {"moe_tile_rows": 16},
-    "all fusions off": {"fuse_norm_project": False, "fuse_route": False, "fuse_attn_prepare": False,
-                        "fuse_expert_swiglu": False, "fuse_expert_combine": False, "fuse_gdn_step": False,
-                        "fuse_dequant": False},
+    **{f"fuse_{f} off": {"fusions": {f: False}} for f in FUSIONS},
+    "gqa_pack off": {"metal_options": {"gqa_pack": False}},
+    "attn_path split": {"metal_options": {"attn_path": 2}},
+    "gpu_routing off (CPU wait)": {"metal_options": {"gpu_routing": False}},
+    "pipeline off": {"metal_options": {"pipeline": False}},
+    "moe_tile_rows 16": {"metal_options": {"moe_tile_rows": 16}},
+    "all fusions off": {"fusions": {f: False for f in FUSIONS}},
 }
 
 
-def ablation_counters(checkpoint, backend: str, *, prompt_tokens: int, decode_tokens: int = 3, base_options=None,
-                      seed: int = 0, progress: bool = False, **engine_kwargs) -> dict:
+def with_switches(base: dict | None, ablation: dict) -> dict:
+    """Engine keyword arguments `base` with an ablation's switches merged into its fusions / metal_options."""
+    out = dict(base or {})
+    for key in ("fusions", "metal_options"):
+        if key in ablation:
+            out[key] = {**out.get(key, {}), **ablation[key]}
+    return out
+
+
+def ablation_counters(checkpoint, backend: str, *, prompt_tokens: int, decode_tokens: int = 3, seed: int = 0,
+                      progress: bool = False, **engine_kwargs) -> dict:
     """Counters of one greedy generation (a prompt of `prompt_tokens` random ids, then `decode_tokens` tokens)
-    per ablation of ABLATIONS, each on a fresh engine: the prompt's last prefill chunk, the last decode step,
-    and per generated token the CPU waits and the drained ones (the GPU left idle)."""
+    per ablation of ABLATIONS, each on a fresh engine (engine_kwargs with the ablation's switches merged in): the
+    prompt's last prefill chunk, the last decode step, and per generated token the CPU waits and the drained
+    ones (the GPU left idle)."""
     from .engine import Engine
     ids = np.random.default_rng(seed).integers(0, checkpoint.config.vocab_size, size=prompt_tokens).tolist()
     out = {}
     bar = progress_bar(len(ABLATIONS), progress, desc="ablations")
-    for name, opts in ABLATIONS.items():
+    for name, switches in ABLATIONS.items():
         bar.set_postfix_str(name)
-        e = Engine(checkpoint, backend=backend, metal_options={**(base_options or {}), **opts}, **engine_kwargs)
+        e = Engine(checkpoint, backend=backend, **with_switches(engine_kwargs, switches))
         e.generate(ids, max_tokens=decode_tokens, temperature=0)
         c = e.counters()
-        out[name] = {"options": opts, "prefill": c["prefill"]["last"], "decode": c["decode"]["last"],
+        out[name] = {"options": switches, "prefill": c["prefill"]["last"], "decode": c["decode"]["last"],
                      "per_token": {k: (c["decode"]["total"][k] + c["prefill"]["total"][k]) / decode_tokens
                                    for k in ("cpu_waits", "cpu_waits_drained")}}
         bar.update()
@@ -676,6 +681,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kwargs["prefill_chunk"] = args.prefill_chunk
     if args.metal_options:
         kwargs["metal_options"] = json.loads(args.metal_options)
+    if args.fusions:
+        kwargs["fusions"] = json.loads(args.fusions)
     engine = load_engine(args, **kwargs)
     phases = tuple(p for p in ("prefill", "decode") if p not in (args.skip or []))
     res = run_bench(engine, lengths=args.lengths, contexts=args.contexts, decode_tokens=args.decode_tokens,
@@ -685,10 +692,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.ablations and res.get("counters") and not res["interrupted"]:
         prompt = (args.lengths or [32])[0]
         try:
-            res["counters"]["ablations"] = ablation_counters(
-                engine.checkpoint, args.backend, prompt_tokens=prompt, base_options=kwargs.get("metal_options"),
-                seed=args.seed, progress=not args.quiet, threads=args.threads,
-                **{k: v for k, v in kwargs.items() if k != "metal_options"})
+            res["counters"]["ablations"] = ablation_counters(engine.checkpoint, args.backend, prompt_tokens=prompt,
+                                                             seed=args.seed, progress=not args.quiet,
+                                                             threads=args.threads, **kwargs)
             print(format_ablations(res["counters"]["ablations"]))
         except KeyboardInterrupt:
             res["interrupted"] = True
@@ -745,10 +751,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="record Engine.counters() per phase and length in the --json file (metal-emu / metal "
                         "backends)")
     b.add_argument("--ablations", action="store_true",
-                   help="with --counters: also the counters of a short generation under each MetalOptions ablation, "
+                   help="with --counters: also the counters of a short generation under each fusion and MetalOptions "
+                        "ablation, "
                         "side by side (a fresh engine each; the JSON's counters.ablations)")
     b.add_argument("--metal-options", metavar="JSON",
-                   help="MetalOptions ablation switches, e.g. '{\"fuse_route\": false}' (docs/performance.md)")
+                   help="MetalOptions switches, e.g. '{\"gqa_pack\": false}' (docs/performance.md)")
+    b.add_argument("--fusions", metavar="JSON",
+                   help="decode fusion switches (Fusions), e.g. '{\"route\": false}' (docs/performance.md)")
     b.add_argument("--json", metavar="FILE", help="write every figure, the settings and the run order as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="write throughput and ratio plots (needs matplotlib)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bar")

@@ -150,7 +150,7 @@ class _Request:
 class Engine:
     def __init__(self, checkpoint: Checkpoint, backend: str = "reference", *, max_context: int | None = None,
                  prefill_chunk: int = 512, threads: int = 0, count_bytes: bool = True,
-                 metal_options: dict | None = None):
+                 metal_options: dict | None = None, fusions: dict | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
         if prefill_chunk < 1:
@@ -166,14 +166,15 @@ class Engine:
         library = str(Path(__file__).parent / "_metal_emu.so") if backend == "metal-emu" else ""
         # count_bytes=False (metal-emu) skips the emulator's byte counting, several times faster: the
         # counters then report dispatches, stages and waits but zero bytes.
-        # metal_options (metal / metal-emu): the ablation switches of csrc/backends/metal/metal_backend.h
-        # MetalOptions, all on by default: fuse_norm_project, fuse_route, fuse_attn_prepare, fuse_expert_swiglu,
-        # fuse_expert_combine, fuse_gdn_step, fuse_dequant, gqa_pack, gpu_routing (bools), attn_path
-        # (0 automatic, 1 general, 2 split-KV), moe_tile_rows (0 rule, 16, 32).
-        # docs/performance.md shows what each changes in the counters.
+        # fusions (any backend): the schedule's decode fusions, Fusions in csrc/schedule/backend.h, all on by
+        # default (bools): norm_project, route, attn_prepare, gdn_step, expert_swiglu, expert_combine, dequant.
+        # metal_options (metal / metal-emu): MetalOptions in csrc/backends/metal/metal_backend.h: gqa_pack,
+        # gpu_routing, pipeline (bools), attn_path (0 automatic, 1 general, 2 split-KV), moe_tile_rows (0 rule,
+        # 16, 32). docs/performance.md shows what each switch changes in the counters.
         self.metal_options = dict(metal_options or {})
+        self.fusions = dict(fusions or {})
         self._core = _core.Engine(self._model, backend, prefill_chunk, threads, self.max_context, library, count_bytes,
-                                  self.metal_options)
+                                  self.metal_options, self.fusions)
         self.backend = backend
         self.prefill_chunk = prefill_chunk
         self._tokenizer: Tokenizer | None = None

@@ -1,6 +1,6 @@
 // The encoders: one function per kernel family op, in portable C++ over the Device (device.h). Each fills
 // its <Family>Args struct from metal/lily_args.h, picks a KernelId, sizes the grid, and declares how it
-// uses every buffer (so the Encoder derives barriers). The backend glue (metal_backend.cpp) calls them in
+// uses every buffer (so the Encoder derives barriers). The backend's ops (metal_backend.cpp) call them in
 // the order of the schedule; tests call them one by one through csrc/bindings/kernels.cpp.
 //
 // Data formats on the device (shared by every family):
@@ -15,17 +15,11 @@
 
 #include "../../core/sampling.h"
 #include "../../core/weights.h"
+#include "../gpu/gpu_backend.h"
 #include "device.h"
 #include "lily_args.h"
 
 namespace lily::metal {
-
-// A buffer plus a byte offset into it.
-struct View {
-  Buffer* buffer = nullptr;
-  uint64_t offset = 0;
-  View at(uint64_t bytes) const { return {buffer, offset + bytes}; }
-};
 
 // A core Linear (weights.h) on the device: the mapped file(s) wrapped as Buffers, with offsets and strides.
 struct DeviceMatrix {
@@ -154,12 +148,7 @@ struct GdnDevice {
 };
 struct GdnScratch;
 std::shared_ptr<GdnScratch> make_gdn_scratch(Device& dev, const GdnDevice& G, int max_rows);
-// A layer's states as one call reads and writes them: the state before (conv_in, rec_in) and where the state
-// after goes (conv_out, rec_out): the same buffers (in place) or their twins (the backend's two copies).
-struct GdnStates {
-  View conv_in, rec_in, conv_out, rec_out;
-  static GdnStates in_place(View conv, View rec) { return {conv, rec, conv, rec}; }
-};
+using gpu::GdnStates;
 // Prefill over T rows: causal conv + SiLU (conv state carried), l2-norm q/k, gates, the register-resident
 // delta-rule scan (one simdgroup per state column), gated RMSNorm → out bf16 [T, V_dim].
 void encode_gdn_prefill(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv, View z, View beta, View alpha,

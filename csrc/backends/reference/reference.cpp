@@ -286,8 +286,7 @@ class ReferenceBackend final : public Backend {
   void attn_prefill(int layer, int T, int64_t pos) override { attention(layer, T, pos); }
   void attn_decode(int layer, int64_t pos) override { attention(layer, 1, pos); }
 
-  void gdn_prefill(int layer, int T) override { gdn(layer, T); }
-  void gdn_decode(int layer) override { gdn(layer, 1); }
+  void gdn_scan(int layer, int T) override { gdn(layer, T); }
 
   void moe_route(int layer, int T) override {
     const MoeWeights& M = m_.layers[layer].moe;

@@ -1,7 +1,7 @@
-// The portable half of the Device interface (device.h): the Encoder's derived barriers, Counters, roles.
-// Previous hop: the encoders (common.cpp, dense.cpp, moe.cpp, gdn.cpp, attn.cpp) call Encoder::dispatch
-// with the bindings they declare; next hop: the Device's do_dispatch / do_barrier (device_emu.cpp,
-// device_metal.mm).
+// The shared half of the Device interface (device.h): the Encoder's derived barriers, Counters, roles, the
+// memory ledger. Previous hop: a backend's encoders (backends/metal: common.cpp, dense.cpp, moe.cpp, gdn.cpp,
+// attn.cpp) call Encoder::dispatch with the bindings they declare; next hop: the Device's do_dispatch /
+// do_barrier (backends/metal: device_emu.cpp, device_metal.mm).
 //
 // A barrier is a hazard check, as in ggml-metal-ops.cpp: the current stage remembers the byte ranges its
 // dispatches read and wrote since the last barrier. A new dispatch that reads a range the stage wrote
@@ -13,7 +13,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace lily::metal {
+namespace lily::gpu {
 
 const char* role_name(Role r) {
   switch (r) {
@@ -96,7 +96,7 @@ void Counters::add(const Counters& o) {
     bytes_read[i] += o.bytes_read[i];
     bytes_written[i] += o.bytes_written[i];
   }
-  for (size_t k = 0; k < size_t(KernelId::count); ++k) kernel_dispatches[k] += o.kernel_dispatches[k];
+  for (size_t k = 0; k < kMaxKernels; ++k) kernel_dispatches[k] += o.kernel_dispatches[k];
 }
 
 Counters Counters::since(const Counters& e) const {
@@ -111,7 +111,7 @@ Counters Counters::since(const Counters& e) const {
     d.bytes_read[r] = bytes_read[r] - e.bytes_read[r];
     d.bytes_written[r] = bytes_written[r] - e.bytes_written[r];
   }
-  for (size_t k = 0; k < size_t(KernelId::count); ++k) d.kernel_dispatches[k] = kernel_dispatches[k] - e.kernel_dispatches[k];
+  for (size_t k = 0; k < kMaxKernels; ++k) d.kernel_dispatches[k] = kernel_dispatches[k] - e.kernel_dispatches[k];
   return d;
 }
 
@@ -130,21 +130,21 @@ bool overlaps(const Buffer* b, uint64_t begin, uint64_t end, const Buffer* b2, u
 }
 }  // namespace
 
-void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
+void Encoder::dispatch(KernelIndex kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
                        std::initializer_list<Binding> bindings, uint32_t threadgroup_bytes) {
   std::vector<Binding> list(bindings);
   bool hazard = false;
   for (const Binding& b : list) {
     if (!b.buffer)
-      throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": buffer slot " +
+      throw std::invalid_argument(std::string("[encoder] ") + kernel_label(kernel) + ": buffer slot " +
                                   std::to_string(b.slot) + " is null");
     if (b.slot <= 0)
-      throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": slot " +
+      throw std::invalid_argument(std::string("[encoder] ") + kernel_label(kernel) + ": slot " +
                                   std::to_string(b.slot) + " (slot 0 holds the args struct)");
     const uint64_t begin = b.offset;
     const uint64_t end = b.bytes ? b.offset + b.bytes : b.buffer->size;
     if (begin > b.buffer->size || end > b.buffer->size)
-      throw std::out_of_range(std::string("[encoder] ") + kernel_name(kernel) + ": slot " + std::to_string(b.slot) +
+      throw std::out_of_range(std::string("[encoder] ") + kernel_label(kernel) + ": slot " + std::to_string(b.slot) +
                               " range [" + std::to_string(begin) + ", " + std::to_string(end) + ") exceeds buffer '" +
                               b.buffer->label + "' of " + std::to_string(b.buffer->size) + " bytes");
     const bool writes = b.access != Access::read;
@@ -154,14 +154,14 @@ void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const v
   }
   const uint64_t n = uint64_t(threads.x) * threads.y * threads.z, limit = max_threads(kernel);
   if (n > limit)
-    throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": " + std::to_string(n) +
+    throw std::invalid_argument(std::string("[encoder] ") + kernel_label(kernel) + ": " + std::to_string(n) +
                                 " threads per threadgroup, the device allows " + std::to_string(limit) +
                                 " for this kernel");
   const uint64_t tg_static = static_threadgroup_bytes(kernel), tg_dynamic = (uint64_t(threadgroup_bytes) + 15) & ~15ull;
-  if (tg_static + tg_dynamic > kMaxThreadgroupMemory)
-    throw std::invalid_argument(std::string("[encoder] ") + kernel_name(kernel) + ": " + std::to_string(tg_static) +
+  if (tg_static + tg_dynamic > max_threadgroup_memory())
+    throw std::invalid_argument(std::string("[encoder] ") + kernel_label(kernel) + ": " + std::to_string(tg_static) +
                                 " bytes of static threadgroup memory + " + std::to_string(tg_dynamic) +
-                                " set by the host exceed the " + std::to_string(kMaxThreadgroupMemory) +
+                                " set by the host exceed the " + std::to_string(max_threadgroup_memory()) +
                                 "-byte limit per threadgroup");
   if (hazard) barrier();
   for (const Binding& b : list) {
@@ -170,13 +170,15 @@ void Encoder::dispatch(KernelId kernel, Grid threadgroups, Grid threads, const v
     if (b.access == Access::read_write) stage_reads_.push_back(r);
   }
   ++dispatches_;
-  ++per_kernel_[size_t(kernel)];
+  if (kernel >= kMaxKernels) throw std::out_of_range(std::string("[encoder] kernel index of ") + kernel_label(kernel) +
+                                                     " beyond the counters' kMaxKernels");
+  ++per_kernel_[kernel];
   do_dispatch(kernel, threadgroups, threads, args, args_size, list, threadgroup_bytes);
 }
 
-uint32_t Encoder::max_threads(KernelId) const { return 1024; }
+uint32_t Encoder::max_threads(KernelIndex) const { return 1024; }
 
-uint32_t Encoder::static_threadgroup_bytes(KernelId) const { return 0; }
+uint32_t Encoder::static_threadgroup_bytes(KernelIndex) const { return 0; }
 
 void Encoder::barrier() {
   // A barrier with nothing recorded before it in the stage orders nothing: it is dropped, so the stage
@@ -188,4 +190,4 @@ void Encoder::barrier() {
   do_barrier();
 }
 
-}  // namespace lily::metal
+}  // namespace lily::gpu
