@@ -1,4 +1,4 @@
-// Gated full attention (spec §4.2-4.3), the 10 attention layers of Qwen3.6. The hop before: the q/k/v
+// Gated full attention (docs/model.md, "Gated attention"), the 10 attention layers of Qwen3.6. The hop before: the q/k/v
 // projections (qgemv/qgemm) wrote q_gate bf16 [T, n_q, 2d] (per head: d query values, then d gate values)
 // and k, v bf16 [T, n_kv, d]; csrc/backends/metal/attn.cpp dispatches these kernels; the hop after: the o_proj
 // projection reads out bf16 [T, n_q·d].

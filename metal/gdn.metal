@@ -1,4 +1,4 @@
-// gdn: the Gated DeltaNet mixer of the 30 linear-attention layers (qwen36-spec §4.4). From the projected
+// gdn: the Gated DeltaNet mixer of the 30 linear-attention layers (docs/model.md, "Gated DeltaNet"). From the projected
 // qkv bf16 [T, C] (C = 2·n_k·d_k + n_v·d_v, q ‖ k ‖ v), z bf16 [T, n_v·d_v] and b, a bf16 [T, n_v] it runs
 // the causal depthwise conv (k_c = 4, window carried in the conv state f32 [3, C]) + SiLU, l2-normalises q
 // (× d_k^-1/2) and k per key head, forms the gates β = σ(b), α = exp(−exp(A_log)·softplus(a + dt_bias)),

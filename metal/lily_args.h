@@ -109,8 +109,8 @@ LILY_CONSTANT lily_i32 LILY_QGEMV_VALUES = 16;
 // dequant (the fuse_dequant ablation): W q4/q8 -> bf16 [rows, ld_out] scratch, 16 columns per thread.
 LILY_CONSTANT lily_i32 LILY_DEQUANT_THREADS = 64;
 // GEMM (T > 1): a threadgroup owns a BM (tokens) x BN (output rows) tile and steps k by BK = one quant group;
-// four simdgroups in 2 x 2, each 16 x 16 = 2 x 2 simdgroup_matrix 8x8 accumulators (the write-up's
-// 32-row tile with four simdgroups).
+// four simdgroups in 2 x 2, each 16 x 16 = 2 x 2 simdgroup_matrix 8x8 accumulators (the 32-row tile
+// with four simdgroups that docs/design.md's measurements favour).
 LILY_CONSTANT lily_i32 LILY_QGEMM_BM = 32;
 LILY_CONSTANT lily_i32 LILY_QGEMM_BN = 32;
 LILY_CONSTANT lily_i32 LILY_QGEMM_BK = 64;
@@ -166,8 +166,8 @@ LILY_CONSTANT lily_i32 LILY_MOE_ROUTE_TOKENS = 8;
 LILY_CONSTANT lily_i32 LILY_MOE_TOPK_SIMDGROUPS = 4;     // tokens (one simdgroup each) per top-k threadgroup
 LILY_CONSTANT lily_i32 LILY_MOE_ELEMENTWISE_THREADS = 256;  // histogram, scatter, combine
 // Grouped GEMM tile: BM rows (16 or 32, the template parameter) x BN output columns, k stepped by one quant
-// group. Each simdgroup owns 16 x 16 (2 x 2 simdgroup_matrix 8x8), so BM = 32 runs four simdgroups (the
-// write-up: +13.2% end-to-end prefill at 2K tokens against fixed 16-row tiles on an M5 Max) and BM = 16 two.
+// group. Each simdgroup owns 16 x 16 (2 x 2 simdgroup_matrix 8x8), so BM = 32 runs four simdgroups (docs/design.md,
+// measurements: +13.2% end-to-end prefill at 2K tokens against fixed 16-row tiles on an M5 Max) and BM = 16 two.
 LILY_CONSTANT lily_i32 LILY_MOE_GEMM_BN = 32;
 LILY_CONSTANT lily_i32 LILY_MOE_GEMM_BK = 64;
 // Decode GEMV: one simdgroup per output row, LILY_MOE_GEMV_SIMDGROUPS rows per threadgroup.
@@ -337,13 +337,13 @@ LILY_CONSTANT lily_i32 LILY_ATTN_PREPARE_HEADS = 4;  // heads (one simdgroup eac
 LILY_CONSTANT lily_i32 LILY_ATTN_TILE_KEYS = 32;
 LILY_CONSTANT lily_i32 LILY_ATTN_TILE_KEYS_D256 = 16;
 LILY_CONSTANT lily_i32 LILY_ATTN_ROW_PAD = 4;  // shifts consecutive staged rows by two 4-byte banks
-// Query heads packed per threadgroup (GQA packing): each staged KV row serves this many heads. The write-up
-// packs 4 of the 8 heads sharing a KV head per threadgroup (two threadgroups per KV head): +23.8% end-to-end
+// Query heads packed per threadgroup (GQA packing): each staged KV row serves this many heads. The measured
+// design (docs/design.md) packs 4 of the 8 heads sharing a KV head per threadgroup (two threadgroups per KV head): +23.8% end-to-end
 // decode at 32K context on an M5 Max against one simdgroup per head.
 LILY_CONSTANT lily_i32 LILY_ATTN_PACK_HEADS = 4;
 LILY_CONSTANT lily_i32 LILY_ATTN_MAX_ITEMS = 8;  // (query row, head) pairs per prefill threadgroup: 8 simdgroups
 // Fixed-block (split-KV) decode: used at contexts >= LILY_ATTN_SPLIT_MIN_CONTEXT when d == 256 and GQA == 8.
-// The write-up measured the fixed-block route against the general one on an M5 Max (40-core GPU):
+// Measured (docs/design.md): the fixed-block route against the general one on an M5 Max (40-core GPU):
 // +7.7% end-to-end decode at 32K, +27.4% at 64K, +40.2% at 128K; below 32K the general path wins.
 LILY_CONSTANT lily_i32 LILY_ATTN_SPLIT_MIN_CONTEXT = 32768;
 LILY_CONSTANT lily_i32 LILY_ATTN_SPLIT_BLOCK = 1024;       // keys per block (grows past MAX_BLOCKS blocks)

@@ -4,8 +4,8 @@
 // threadgroup owns a LILY_QGEMM_BM (tokens) x LILY_QGEMM_BN (output rows) tile of out and steps k by one
 // quantisation group (LILY_QGEMM_BK = 64). Each step its 128 threads dequantise the BN x 64 weight tile
 // (w = scale * q + bias in fp32, rounded to bf16 as the matrix units consume it) and copy the BM x 64
-// activation tile into threadgroup memory; the complete bf16 W is never written to device memory (the
-// write-up's fused dequantisation). Four simdgroups in 2 x 2 each own a 16 x 16 sub-tile as 2 x 2
+// activation tile into threadgroup memory; the complete bf16 W is never written to device memory (fused
+// dequantisation, docs/design.md). Four simdgroups in 2 x 2 each own a 16 x 16 sub-tile as 2 x 2
 // simdgroup_matrix 8x8 accumulators in fp32 (bf16 operands). Edge tiles (T, rows, and for bf16 W cols not
 // multiples of the tile) are zero-filled in threadgroup memory and masked on store.
 //

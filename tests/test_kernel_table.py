@@ -15,7 +15,7 @@ from lily._core import kernels
 ROOT = Path(__file__).resolve().parents[1]
 DEF = ROOT / "metal" / "kernels.def"
 NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
-# Host-name prefixes each family's rows may use (STYLE.md: <family>_<variant>_<dtype>[_<param><value>]).
+# Host-name prefixes each family's rows may use (<family>_<variant>_<dtype>[_<param><value>], docs/design.md).
 PREFIXES = {
     "common": ("embed_", "rmsnorm_", "argmax_", "sample_", "copy_"),
     "dense": ("qgemv_", "qgemm_"),

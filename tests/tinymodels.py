@@ -9,7 +9,7 @@ What it provides
   and a set of named geometries (:data:`BASE`, :data:`PEAKED`, :data:`GVA1_HD32`,
   :data:`GVA4_HD128`, :data:`INTERVAL2`, :data:`DEEP8`; :data:`DEFAULT_GEOMETRIES`,
   :data:`GEOMETRIES` by name).  All quantisable input dims are multiples of 64 so that the
-  tiny models quantise exactly the module set of the real model (spec §10 pitfall 8).
+  tiny models quantise exactly the module set of the real model (a module the real checkpoint keeps in bf16 must stay bf16 here too).
 * Builders (all write into a directory and return it):
 
   - :func:`build_tokenizer_files` -- ``tokenizer.json`` made from the first
@@ -119,7 +119,7 @@ CACHE_VERSION = "lily-tiny-v4"
 
 N_BPE = 2048  # real Qwen3.6 BPE ranks kept by the tiny tokenizer
 
-# Qwen3.5 / 3.6 pre-tokenizer regex and the 33 special tokens in id order (spec §7): facts of the model,
+# Qwen3.5 / 3.6 pre-tokenizer regex and the 33 special tokens in id order (facts of the real tokenizer),
 # kept once in the library. tests/test_fixtures.py checks the tokenizer built from them against tiktoken.
 from lily.tokenizer_build import QWEN35_PAT as QWEN35_PATTERN  # noqa: E402
 from lily.tokenizer_build import SPECIALS  # noqa: E402
@@ -489,7 +489,7 @@ def _randomize_(model, geom: TinyGeometry) -> None:
 
 
 def _synthetic_mtp(geom: TinyGeometry) -> dict:
-    """Random bf16 ``mtp.*`` tensors named like the real MTP head (spec §3.1, pitfall 12)."""
+    """Random bf16 ``mtp.*`` tensors named like the real MTP head (the loader must skip them)."""
     import torch
     g = torch.Generator().manual_seed(geom.seed + 1)
     H, I, E = geom.hidden, geom.moe_inter, geom.experts

@@ -4,7 +4,6 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
-#include <nanobind/stl/function.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -239,14 +238,15 @@ void init_engine(nb::module_& m) {
           "counters",
           [](Engine& e) {
             // {"prefill": {"last": ..., "total": ...}, "decode": {...}}: what the device spent on the last
-            // prefill chunk / decode step, and on all of them (metal backends only; {} otherwise).
+            // prefill chunk / decode step, and on all of them (GPU backends only; {} otherwise).
             nb::dict d;
             auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
             if (!mb) return d;
             for (auto [name, phase] : {std::pair{"prefill", Phase::prefill}, std::pair{"decode", Phase::decode}}) {
               nb::dict p;
-              p["last"] = metal::counters_dict(mb->counters(phase, false));
-              p["total"] = metal::counters_dict(mb->counters(phase, true));
+              const auto label = [mb](gpu::KernelIndex k) { return mb->kernel_label(k); };
+              p["last"] = metal::counters_dict(mb->counters(phase, false), label);
+              p["total"] = metal::counters_dict(mb->counters(phase, true), label);
               d[name] = p;
             }
             return d;
@@ -256,15 +256,15 @@ void init_engine(nb::module_& m) {
           "memory",
           [](Engine& e, bool reset_peak) {
             // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total"}: device memory the
-            // backend allocated (mapped weight files not included); metal backends only ({} otherwise).
+            // backend allocated (mapped weight files not included); GPU backends only ({} otherwise).
             nb::dict d;
             auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
             if (!mb) return d;
             const gpu::Memory m = mb->device().memory();
             nb::dict live, peak;
-            for (int r = 0; r < int(metal::Role::count); ++r) {
-              live[metal::role_name(metal::Role(r))] = m.live[r];
-              peak[metal::role_name(metal::Role(r))] = m.peak[r];
+            for (int r = 0; r < int(gpu::Role::count); ++r) {
+              live[gpu::role_name(gpu::Role(r))] = m.live[r];
+              peak[gpu::role_name(gpu::Role(r))] = m.peak[r];
             }
             d["live"] = live, d["peak"] = peak, d["live_total"] = m.live_total, d["peak_total"] = m.peak_total;
             if (reset_peak) mb->device().reset_peak_memory();
@@ -349,16 +349,5 @@ void init_engine(nb::module_& m) {
             }
             return to_numpy(std::move(out), 1, size_t(e.model().config().vocab));
           },
-          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0, nb::arg("cancel").none() = nb::none())
-      .def(
-          "generate_greedy",
-          [](Engine& e, Session& s, TokenArray prompt, int64_t max_tokens, const std::vector<int32_t>& stop_ids,
-             const std::function<bool(int32_t)>& on_token, int chunk) {
-            std::function<bool(int32_t)> cb;
-            if (on_token) cb = [&](int32_t t) { nb::gil_scoped_acquire gil; return on_token(t); };
-            nb::gil_scoped_release nogil;
-            return e.generate_greedy(s, prompt.data(), int64_t(prompt.shape(0)), max_tokens, stop_ids, cb, chunk);
-          },
-          nb::arg("session"), nb::arg("prompt"), nb::arg("max_tokens"), nb::arg("stop_ids"),
-          nb::arg("on_token") = nb::none(), nb::arg("chunk") = 0);
+          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0, nb::arg("cancel").none() = nb::none());
 }

@@ -24,7 +24,7 @@ std::string emu_library_path() {
   return init.substr(0, init.find_last_of('/') + 1) + "_metal_emu.so";
 }
 
-nb::dict counters_dict(const Counters& c) {
+nb::dict counters_dict(const Counters& c, const std::function<const char*(gpu::KernelIndex)>& label) {
   nb::dict d, rd, wr;
   d["dispatches"] = c.dispatches;
   d["stages"] = c.stages;
@@ -39,8 +39,9 @@ nb::dict counters_dict(const Counters& c) {
   d["bytes_read"] = rd;
   d["bytes_written"] = wr;
   nb::dict kernels;  // dispatches by kernel, the ones dispatched at least once
-  for (size_t k = 0; k < size_t(KernelId::count); ++k)
-    if (c.kernel_dispatches[k]) kernels[kernel_name(KernelId(k))] = c.kernel_dispatches[k];
+  for (size_t k = 0; k < gpu::kMaxKernels; ++k)
+    if (c.kernel_dispatches[k])
+      kernels[label ? label(gpu::KernelIndex(k)) : kernel_name(KernelId(k))] = c.kernel_dispatches[k];
   d["kernels"] = kernels;
   return d;
 }

@@ -29,8 +29,8 @@ std::string emu_library_path();
 // Host names in an emulated library (device_emu.cpp), sorted.
 std::vector<std::string> emu_library_kernels(const std::string& library);
 // Counters as {"dispatches", "stages", "cpu_waits", "command_buffers", "bytes_read": {role: n},
-// "bytes_written": {role: n}}.
-nanobind::dict counters_dict(const Counters& c);
+// "bytes_written": {role: n}, "kernels": {name: n}}; `label` names a kernel index (default: metal's KernelId).
+nanobind::dict counters_dict(const Counters& c, const std::function<const char*(gpu::KernelIndex)>& label = {});
 
 // A test's GEMM path by name: "auto", "simdgroup" or "tensor" (encoders.h GemmPath).
 GemmPath gemm_path(const std::string& name);

@@ -37,7 +37,7 @@ void init_kernels_dense(nb::module_& k) {
         } else {
           out = run.alloc(uint64_t(T) * rows * (m == OutMode::bf16 ? 2 : 4), Role::activations, "out");
         }
-        // dequant: the fuse_dequant ablation, W's bf16 copy first (returned as 'w_bf16').
+        // dequant: the dequant ablation (Fusions::dequant), W's bf16 copy first (returned as 'w_bf16').
         Buffer* copy = dequant ? run.alloc(uint64_t(rows) * cols * 2, Role::activations, "dequant", 0xff) : nullptr;
         run.device().reset_counters();  // count the projection only, not the uploads
         run.encode([&](Encoder& enc) {
@@ -61,6 +61,6 @@ void init_kernels_dense(nb::module_& k) {
       "array in its buffer (unaligned tensors, as MLX writes them). tensor_ops: the emulated device reports Metal 4 "
       "tensor ops, so T > 1 takes the matmul2d GEMM (qgemm_tensor_*); path: 'auto' (the device decides), "
       "'simdgroup' or 'tensor' (forced; needs tensor_ops). dequant: q4/q8 W is first dequantised into a bf16 "
-      "copy (encode_dequant, the fuse_dequant ablation) that the bf16 kernels read. Returns {'out', "
+      "copy (encode_dequant, the dequant ablation) that the bf16 kernels read. Returns {'out', "
       "'matrix_bytes', 'counters'} (and 'w_bf16', the copy, with dequant).");
 }

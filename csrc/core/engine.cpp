@@ -227,31 +227,4 @@ TokenChoice Generation::next() {
   return c;
 }
 
-std::vector<int32_t> Engine::generate(Session& s, const int32_t* prompt, int64_t n, const GenerateOptions& o,
-                                      const std::function<bool(const TokenChoice&)>& on_token) {
-  Generation g(*this, s, prompt, n, o);
-  std::vector<int32_t> out;
-  while (!g.done()) {
-    const TokenChoice c = g.next();
-    out.push_back(c.token);
-    if (on_token && !on_token(c)) break;
-  }
-  g.close();
-  return out;
-}
-
-std::vector<int32_t> Engine::generate_greedy(Session& s, const int32_t* prompt, int64_t n, int64_t max_tokens,
-                                             const std::vector<int32_t>& stop_ids,
-                                             const std::function<bool(int32_t)>& on_token, int chunk) {
-  if (n <= 0) throw std::invalid_argument("[engine] empty prompt");
-  GenerateOptions o;
-  o.max_tokens = max_tokens;
-  o.stop_ids = stop_ids;
-  o.sampling.temperature = 0.f;
-  o.chunk = chunk;
-  return generate(s, prompt, n, o, on_token ? std::function<bool(const TokenChoice&)>([&](const TokenChoice& c) {
-    return on_token(c.token);
-  }) : nullptr);
-}
-
 }  // namespace lily

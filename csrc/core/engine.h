@@ -4,7 +4,6 @@
 #include <atomic>
 #include <cstdint>
 #include <stdexcept>
-#include <functional>
 #include <memory>
 #include <vector>
 
@@ -44,7 +43,7 @@ struct GenerateOptions {
 class Engine;
 
 // One request's generation loop, advanced a token at a time so that callers can stream, and stop between
-// any two tokens (Engine::generate runs it to the end). The first next() runs the prompt (prefill chunks, or
+// any two tokens (Python's Engine.stream drives it through the bindings). The first next() runs the prompt (prefill chunks, or
 // one decode step for a single token); each later one runs one decode step for the previous token. The last
 // token returned is never fed: the session then holds the prompt and every generated token but the last.
 //
@@ -117,16 +116,6 @@ class Engine {
 
   // Feed `tokens` and return the logits of the last one only [V]. `cancel`: checked before every chunk.
   std::vector<float> feed(Session& s, const int32_t* tokens, int64_t n, int chunk = 0, const CancelFlag* cancel = nullptr);
-
-  // Runs a Generation to the end; on_token(choice) returns false to stop early. Returns the tokens.
-  std::vector<int32_t> generate(Session& s, const int32_t* prompt, int64_t n, const GenerateOptions& o,
-                                const std::function<bool(const TokenChoice&)>& on_token = nullptr);
-
-  // Greedy generation: feeds the prompt, then decodes until a stop id or max_tokens. on_token returns
-  // false to stop early.
-  std::vector<int32_t> generate_greedy(Session& s, const int32_t* prompt, int64_t n, int64_t max_tokens,
-                                       const std::vector<int32_t>& stop_ids,
-                                       const std::function<bool(int32_t)>& on_token = nullptr, int chunk = 0);
 
  private:
   friend class Generation;

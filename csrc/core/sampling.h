@@ -77,7 +77,6 @@ class Sampler {
   // The processed distribution the draw uses (after step 7), as probabilities [vocab]; for tests.
   std::vector<float> probabilities(const float* logits) const;
   uint64_t draws() const { return rng_.counter; }
-  void set_draws(uint64_t n) { rng_.counter = n; }
   // The penalty tables, where a device sampler starts its own copy: seen [vocab] (0/1) and the counts of
   // generated tokens.
   const std::vector<uint8_t>& seen() const { return seen_; }

@@ -1,4 +1,4 @@
-"""NumPy reference of the gated-attention family (spec §4.2-4.3; the same math as
+"""NumPy reference of the gated-attention family (docs/model.md, gated attention; the same math as
 csrc/backends/reference/reference.cpp attn_prepare / attention), with the bf16 rounding points of the
 Metal kernels made explicit so that tests can compare the kernels' bf16 outputs tightly.
 

@@ -1,4 +1,4 @@
-"""NumPy reference of the gdn family (metal/gdn.metal): the Gated DeltaNet mixer of qwen36-spec §4.4, the same math
+"""NumPy reference of the gdn family (metal/gdn.metal): the Gated DeltaNet mixer of docs/model.md, the same math
 as csrc/backends/reference/reference.cpp gdn(), with the bf16 roundings of the Metal path (the conv outputs q̂, k̂
 and v are stored bf16 between kernels; the output is bf16). Everything else is fp32.
 

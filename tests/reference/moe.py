@@ -1,5 +1,5 @@
 """NumPy reference of the MoE family (metal/moe.metal): routing, the expert grouping the prefill path builds on
-the GPU (histogram, offsets, block map), and the MoE block of qwen36-spec.md §4.5, with the Metal kernels'
+the GPU (histogram, offsets, block map), and the MoE block of docs/model.md, with the Metal kernels'
 rounding points made explicit (same math as csrc/backends/reference/reference.cpp moe_route / moe).
 
 Shapes: T tokens, H hidden, E experts, k top-k, I expert width, Is shared expert width, n = T*k assignments.

@@ -32,6 +32,7 @@ class GpuBackend : public Backend {
   // What the device spent on the last prefill chunk / decode step (cumulative = every one since creation).
   Counters counters(Phase phase, bool cumulative) const { return cumulative ? total_[int(phase)] : last_[int(phase)]; }
   Device& device() { return *dev_; }
+  virtual const char* kernel_label(KernelIndex kernel) const = 0;  // the name of a kernel of Counters
 
   std::string name() const override { return dev_->name(); }
   int max_rows() const override { return rows_; }

@@ -4,9 +4,9 @@
 //
 // The rule: T == 1 runs the row-parallel GEMV, T > 1 the tiled GEMM. Decode (one row) reuses no weight, so
 // its cost is the bytes of W and the GEMV reads each exactly once with all lanes streaming; with two or more
-// rows the GEMM reads each weight tile once per 32 tokens instead of once per token. (The write-up found that
-// 2-5-row shapes are poor on this hardware either way; none occur outside speculative decoding, which Lily
-// does not do.)
+// rows the GEMM reads each weight tile once per 32 tokens instead of once per token. (The write-up,
+// docs/design.md, found that 2-5-row shapes are poor on this hardware either way; none occur outside
+// speculative decoding, which Lily does not do.)
 //
 // The GEMM has two matrix paths over the same dequantised bf16 tiles: Metal 4 tensor ops (matmul2d, the M5's
 // Neural Accelerators) where the device reports them (Device::has_tensor_ops, copied into Encoder::tensor_ops),

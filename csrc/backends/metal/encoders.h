@@ -84,7 +84,7 @@ void encode_project(Encoder& enc, const DeviceMatrix& W, View in, View out, int 
 // Whether a tiled GEMM (dense or MoE) takes the tensor-op path; forcing it on a device without tensor ops
 // throws std::invalid_argument starting with `what` (the op and its shapes).
 bool gemm_uses_tensor_ops(const Encoder& enc, GemmPath path, const std::string& what);
-// The fuse_dequant ablation's first pass (MetalOptions): W (q4 / q8) written as bf16 [rows, cols] into
+// The dequant ablation's first pass (Fusions::dequant off): W (q4 / q8) written as bf16 [rows, cols] into
 // `scratch` (rows * cols * 2 bytes); returns the bf16 matrix over that copy, for encode_project /
 // encode_norm_project to read instead of W.
 DeviceMatrix encode_dequant(Encoder& enc, const DeviceMatrix& W, View scratch);
@@ -125,16 +125,16 @@ struct MoeDecodeFusion {
   // The router logits and the shared gate logit are already in the scratch (encode_moe_route_norm wrote
   // them): the gate/up GEMV recomputes the top-k itself and stores ids / weights for the down GEMV.
   bool topk = false;
-  // Off (MetalOptions::fuse_expert_swiglu): gate and up rows go to scratch, moe_gemv_swiglu makes h.
+  // Off (Fusions::expert_swiglu): gate and up rows go to scratch, moe_gemv_swiglu makes h.
   bool swiglu = true;
-  // Off (MetalOptions::fuse_expert_combine): each down product goes to scratch, moe_combine_weighted applies
+  // Off (Fusions::expert_combine): each down product goes to scratch, moe_combine_weighted applies
   // the routing weights and the shared expert's sigmoid gate and adds into x.
   bool combine = true;
 };
 void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn, View ids, View weights, View x,
                        MoeDecodeFusion fuse = {});
 // Decode: xn ← bf16(RMSNorm(x) · w), router logits and the shared gate logit in one proj_norm dispatch, into
-// the scratch (the top-k follows inside encode_moe_decode(..., topk_fused = true)).
+// the scratch (the top-k follows inside encode_moe_decode with MoeDecodeFusion::topk).
 void encode_moe_route_norm(Encoder& enc, MoeScratch& s, const MoeDevice& M, View x, const DeviceVec& w, float eps,
                            View xn);
 

@@ -23,6 +23,8 @@ class MetalBackendImpl final : public gpu::GpuBackend {
   MetalBackendImpl(const Model& m, std::unique_ptr<Device> device, int max_rows, const MetalOptions& options)
       : MetalBackendImpl(m, device.release(), max_rows, options) {}
 
+  const char* kernel_label(gpu::KernelIndex k) const override { return kernel_name(KernelId(k)); }
+
   // The fused route's top-k is completed by moe_decode only: a step that ends with it pending is a schedule error.
   void begin(Phase phase, const Fusions& fusions) override {
     topk_pending_ = false;
@@ -264,7 +266,7 @@ class MetalBackendImpl final : public gpu::GpuBackend {
     if (phase() != Phase::decode || fusions().dequant || W.format == LILY_W_BF16) return 0;
     return (uint64_t(W.rows) * W.cols * 2 + 255) / 256 * 256;
   }
-  // The n matrices one decode dispatch reads: each W itself, or (fuse_dequant off) its bf16 copy, dequantised
+  // The n matrices one decode dispatch reads: each W itself, or (Fusions::dequant off) its bf16 copy, dequantised
   // now; the copies sit side by side in the scratch, so their dequant passes share a stage. The scratch is
   // Role::activations: a per-step intermediate written and read back, not the checkpoint's stored weights,
   // so the weights role keeps meaning "checkpoint bytes read" and the copy's traffic shows as activations.

@@ -132,11 +132,11 @@ void encode_logits(Encoder& enc, MoeScratch& s, const DeviceMatrix& W, View xn, 
 }  // namespace
 
 // The tile rule. A 32-row tile (four simdgroups) amortises each dequantised weight tile over twice the rows of
-// a 16-row tile, but an expert's last tile idles on average half its rows. The write-up measured the 32-row
-// tile at +13.2% end-to-end prefill at 2K tokens (E = 256, k = 8: 64 rows per expert on average) against
-// fixed 16-row tiles on an M5 Max; below an average of 32 rows per expert the idle half-tiles dominate, so
-// the large tile is used only from there on (T >= 1024 for Qwen3.6). The host knows n and E without reading
-// the histogram back, so the rule costs no CPU wait.
+// a 16-row tile, but an expert's last tile idles on average half its rows. The write-up (docs/design.md)
+// measured the 32-row tile at +13.2% end-to-end prefill at 2K tokens (E = 256, k = 8: 64 rows per expert on
+// average) against fixed 16-row tiles on an M5 Max; below an average of 32 rows per expert the idle
+// half-tiles dominate, so the large tile is used only from there on (T >= 1024 for Qwen3.6). The host knows
+// n and E without reading the histogram back, so the rule costs no CPU wait.
 int moe_tile_rows(int n, int experts) { return n >= 32 * experts ? 32 : 16; }
 
 std::shared_ptr<MoeScratch> make_moe_scratch(Device& dev, const MoeDevice& M, int max_rows) {

@@ -21,10 +21,10 @@ struct MoeScratch {
   std::shared_ptr<Buffer> slot_weight;   // f32 [n] routing weight of each slot
   std::shared_ptr<Buffer> slot_of;       // int32 [n] slot of each assignment t*k + j
   std::shared_ptr<Buffer> h;             // bf16 [n, I] routed SwiGLU outputs (decode: [k + 1, max(I, I_s)])
-  std::shared_ptr<Buffer> gu;            // bf16 [k + 1, 2, max(I, I_s)] decode gate / up rows (fuse_expert_swiglu off)
+  std::shared_ptr<Buffer> gu;            // bf16 [k + 1, 2, max(I, I_s)] decode gate / up rows (Fusions::expert_swiglu off)
   std::shared_ptr<Buffer> hs;            // bf16 [max_rows, I_s] shared expert SwiGLU outputs
   std::shared_ptr<Buffer> y;             // f32 [n, H] weighted routed outputs by slot (decode with
-                                         // fuse_expert_combine off: [k + 1, H] unweighted, shared last)
+                                         // Fusions::expert_combine off: [k + 1, H] unweighted, shared last)
   std::shared_ptr<Buffer> ys;            // f32 [max_rows, H] gated shared expert outputs
 };
 

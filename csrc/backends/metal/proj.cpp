@@ -1,6 +1,6 @@
 // The proj family's encoder (metal/proj.metal): decode RMSNorm fused into the projections that share its
-// output, in one dispatch. Previous hop: the Metal backend glue (norm_project, moe_norm_route, lm_head with
-// MetalOptions::fuse_norm_project / fuse_route); next hop: Encoder::dispatch.
+// output, in one dispatch. Previous hop: the Metal backend ops (norm_project, moe_norm_route, norm_lm_head under
+// Fusions::norm_project / route); next hop: Encoder::dispatch.
 #include <stdexcept>
 #include <string>
 
