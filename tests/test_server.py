@@ -610,3 +610,51 @@ def test_schemathesis_finds_no_server_errors(engine, core):
         assert len(seen) >= 300 and 200 in seen and 400 in seen
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("how", ["server", "request"])
+def test_preserve_thinking_reuses_whole_turns_across_requests(thinking, how):
+    """A 10-turn agent conversation through the prefix cache: answers with reasoning and tool calls (scripted),
+    tool results and user messages; each request prefills only the new messages."""
+    engine = lily.Engine.from_pretrained("synthetic:tiny")  # the module's engine has a 1,024-token context
+    engine._core = core = CoreProxy(engine._core)
+    s = LiveServer(create_app(engine, model_name=MODEL, preserve_thinking=how == "server"))
+    call = ("I should look it up.\n</think>\n\n" if thinking else "") + \
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    plain = ("Now I know.\n</think>\n\n" if thinking else "") + "It is sunny."
+    extra = {"enable_thinking": thinking}
+    if how == "request":
+        extra["preserve_thinking"] = True
+    try:
+        c = s.client()
+        conv = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Weather in Paris?"}]
+        prev = None
+        for turn in range(10):
+            core.script = script(engine, call if turn % 2 == 0 else plain)
+            core.fed = 0
+            r = c.chat.completions.create(model=MODEL, messages=conv, tools=[WEATHER], max_tokens=len(core.script),
+                                          extra_body=extra)
+            u, m = r.usage, r.choices[0].message
+            assert core.fed == u.prompt_tokens - u.prompt_tokens_details.cached_tokens
+            if prev is not None:
+                assert u.prompt_tokens_details.cached_tokens >= prev.prompt_tokens + prev.completion_tokens - 2
+            prev = u
+            answer = {"role": "assistant", "content": m.content or ""}
+            if getattr(m, "reasoning_content", None):
+                answer["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                answer["tool_calls"] = [t.model_dump() for t in m.tool_calls]
+            assert bool(m.tool_calls) == (turn % 2 == 0)
+            conv.append(answer)
+            conv.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny, 21 C"}
+                        if m.tool_calls else {"role": "user", "content": f"And on day {turn}?"})
+    finally:
+        s.close()
+
+
+def test_top_level_template_switches_must_agree(live, client):
+    r = httpx.post(live.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": USER, "max_tokens": 2, "enable_thinking": False,
+                         "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "enable_thinking"

@@ -170,3 +170,120 @@ def test_metal_session_survives_a_restart(tmp_path):
     assert a.token_ids == b.token_ids and b.usage.cached_tokens == a.usage.cached_tokens > 0
     with pytest.raises(lily.SessionFileError):
         lily.Session.load(path, lily.Engine.from_pretrained("synthetic:tiny"))
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a fact up",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def agent_turn(i):
+    """Every third new message is a tool result (an agent loop), the others user questions."""
+    if i % 3 == 2:
+        return {"role": "tool", "content": f"lookup result {i}: {i * 13}"}
+    return {"role": "user", "content": f"Question {i}: what comes after {i * 7}?"}
+
+
+def agent_chat(engine, turns, session, **kw):
+    msgs, outs = [{"role": "system", "content": "You are an agent."}], []
+    for i in range(turns):
+        msgs.append(agent_turn(i))
+        c = engine.generate(msgs, max_tokens=24, seed=100 + i, tools=TOOLS, session=session, **kw)
+        outs.append((engine.chat_prompt(msgs, TOOLS, **{k: v for k, v in kw.items() if k != "seed"}), c))
+        msgs.append(c.message)
+    return msgs, outs
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_preserve_thinking_prefills_only_the_new_messages(engine, thinking):
+    s = engine.new_session()
+    _, outs = agent_chat(engine, 10, s, enable_thinking=thinking,
+                         chat_template_kwargs={"preserve_thinking": True})
+    for (_, prev), (_, c) in zip(outs, outs[1:]):
+        assert c.usage.cached_tokens >= prev.usage.prompt_tokens + prev.usage.completion_tokens - 2, \
+            [(o.usage.prompt_tokens, o.usage.completion_tokens, o.usage.cached_tokens) for _, o in outs]
+    # the prompts hold the answers as generated: each prompt starts with the previous prompt and its answer
+    for (prev_cp, prev), (cp, _) in zip(outs, outs[1:]):
+        assert cp.ids[:len(prev_cp.ids) + len(prev.token_ids)] == prev_cp.ids + prev.token_ids
+    # ... where tokenising the rendered text would not have given those ids (random answers: the template trims
+    # them, the tokenizer merges across their ends), which would have broken reuse
+    assert sum(engine.tokenizer.encode(cp.text) != cp.ids for cp, _ in outs[1:]) >= 3
+    # and the live state is what a fresh prefill of those tokens gives
+    f = s.fork()
+    nxt = [int(engine.tokenizer.encode("\n")[0])]
+    np.testing.assert_allclose(engine.logits(nxt, f)[0], engine.logits(s.tokens + nxt)[-1], atol=1e-4)
+
+
+def test_without_preserve_thinking_reuse_reaches_the_previous_messages(engine):
+    s = engine.new_session()
+    _, outs = agent_chat(engine, 6, s)
+    for i in range(1, len(outs)):
+        # the template drops the reasoning of answers before the last user message: the conversation through
+        # the previous user message is reused (within a tool loop, the answers after it too)
+        j = max(j for j in range(i) if agent_turn(j)["role"] == "user")
+        assert outs[i][1].usage.cached_tokens >= outs[j][0].boundary > 0
+
+
+def test_an_edited_answer_falls_back_to_the_snapshot_before_it(engine):
+    s = engine.new_session()
+    kw = dict(enable_thinking=False, chat_template_kwargs={"preserve_thinking": True})
+    msgs, outs = agent_chat(engine, 2, s, **kw)
+    msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + " (edited)"}
+    msgs.append(agent_turn(2))
+    c = engine.generate(msgs, max_tokens=4, temperature=0, tools=TOOLS, session=s, **kw)
+    last_cp, last = outs[-1]
+    # the text really differs inside the answer: the prompt snapshot before it is the nearest resume point
+    assert c.usage.cached_tokens == len(last_cp.ids)
+    assert c.token_ids == engine.generate(msgs, max_tokens=4, temperature=0, tools=TOOLS, **kw).token_ids
+
+
+def test_answer_ids_stand_for_the_rendered_answer(engine):
+    from lily.session import answer_ids
+    tok, stops = engine.tokenizer, list(engine.config.eos_token_id)
+    im_end = stops[0]
+    # generated in pieces the tokenizer would merge: the ids stay as generated, the markup after them is encoded
+    pieces = tok.encode("abcd") + tok.encode("ef")
+    assert pieces != tok.encode("abcdef")
+    assert answer_ids(tok, "abcdef<|im_end|>\n", pieces + [im_end], stops, False) == \
+        pieces + [im_end] + tok.encode("\n")
+    # the template trimmed what the model wrote: after a stop id, what follows the end-of-turn marker
+    spaced = tok.encode("  Hello  ")
+    assert answer_ids(tok, "Hello<|im_end|>\n", spaced + [im_end], stops, False) == \
+        spaced + [im_end] + tok.encode("\n")
+    # a length cut inside the reasoning: the template closes the thinking block and the turn
+    assert answer_ids(tok, "Hmm\n</think>\n\n<|im_end|>\n", tok.encode(" Hmm "), stops, True) == \
+        tok.encode(" Hmm ") + tok.encode("\n</think>\n\n<|im_end|>\n")
+    # a length cut inside the content: the template closes the turn
+    assert answer_ids(tok, "Hi<|im_end|>\n", tok.encode("Hi "), stops, False) == \
+        tok.encode("Hi ") + tok.encode("<|im_end|>\n")
+    assert answer_ids(tok, "no markup here", tok.encode("other"), stops, False) is None
+
+
+def test_generated_turns_longest_prefix_and_budget():
+    from lily.session import GeneratedTurns
+
+    class Tok:
+        @staticmethod
+        def encode(text):
+            return [ord(c) for c in text]
+
+    turns = GeneratedTurns(max_tokens=10)
+    turns.put(turns.key("ab"), [1, 2])
+    turns.put(turns.key("abcd"), [1, 2, 3])
+    assert turns.longest("abcdef") == (4, [1, 2, 3]) and turns.longest("abx") == (2, [1, 2])
+    assert turns.encode(Tok, "abcdz") == [1, 2, 3, ord("z")] and turns.encode(Tok, "x") == [ord("x")]
+    turns.put(turns.key("q" * 6), list(range(6)))  # 11 ids > 10: the least recently used ("ab", then used by nothing) goes
+    assert len(turns) == 2 and turns.longest("abz") == (0, [])
+
+
+def test_a_saved_session_reuses_whole_turns_after_a_restart(engine, tmp_path):
+    kw = dict(enable_thinking=True, chat_template_kwargs={"preserve_thinking": True})
+    s = engine.new_session()
+    msgs, outs = agent_chat(engine, 2, s, **kw)
+    s.save(tmp_path / "s.lily")
+    fresh = lily.Engine.from_pretrained("synthetic:tiny")  # a restart: it never saw these answers
+    s2 = lily.Session.load(tmp_path / "s.lily", fresh)
+    assert [ids for _, ids in s2.turns] == [ids for _, ids in s.turns] and len(s.turns) == 2
+    msgs.append(agent_turn(2))
+    c = fresh.generate(msgs, max_tokens=4, tools=TOOLS, session=s2, **kw)
+    prev = outs[-1][1].usage
+    assert c.usage.cached_tokens >= prev.prompt_tokens + prev.completion_tokens - 2

@@ -5,9 +5,9 @@
     print(engine.generate("Hello", max_tokens=32).text)
 """
 from .checkpoint import CheckpointError
-from .engine import backend_unavailable, CancelFlag, Cancelled, ChatPrompt, Completion, ContextLimitError, Delta, Engine, TokenLogprob, Usage, Timings
+from .engine import backend_unavailable, CancelFlag, Cancelled, ChatPrompt, Completion, ContextLimitError, Delta, Engine, PrefillProgress, Stream, TokenLogprob, Usage, Timings
 from .session import Session, SessionFileError
 
-__all__ = ["backend_unavailable", "CancelFlag", "Cancelled", "ChatPrompt", "CheckpointError", "Completion", "ContextLimitError", "Delta", "Engine", "Session", "SessionFileError",
-           "Timings", "TokenLogprob", "Usage"]
+__all__ = ["backend_unavailable", "CancelFlag", "Cancelled", "ChatPrompt", "CheckpointError", "Completion", "ContextLimitError", "Delta", "Engine", "PrefillProgress", "Session", "SessionFileError",
+           "Stream", "Timings", "TokenLogprob", "Usage"]
 __version__ = "0.1.0"

@@ -6,13 +6,17 @@ import json
 import sys
 import time
 
+from .display import prefill_bar
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model / backend / threads block every command that loads a model shares (load_engine reads it)."""
     p.add_argument("--model", "-m", default="synthetic:tiny",
                    help="model directory, hub repo id, or synthetic:<tiny|small|medium|full> (default: synthetic:tiny)")
     p.add_argument("--backend", default="reference", help="reference (CPU), metal (Apple), metal-emu (emulated Metal)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads of the reference backend (0 = all cores)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads of the reference backend (0 = by model size: one per 16 MB of weights, at most "
+                        "the cores)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -28,13 +32,36 @@ def _sampling(args) -> dict:
 
 
 def load_engine(args, **engine_kwargs):
-    """The Engine of add_model_args' flags, timing the load on stderr."""
-    from .engine import Engine
+    """The Engine of add_model_args' flags, timing the load on stderr (an error goes on a line of its own)."""
+    from .engine import Engine, backend_unavailable
+    why = backend_unavailable(args.backend)
+    if why:
+        raise ValueError(f"backend {args.backend}: {why}")
     t0 = time.perf_counter()
     print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, end="", flush=True)
-    engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads, **engine_kwargs)
+    try:
+        engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads, **engine_kwargs)
+    except BaseException:
+        print(file=sys.stderr)
+        raise
     print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return engine
+
+
+def _read_prompt(args) -> str:
+    """The prompt: the argument, a file (--file PATH), or standard input (--file -, a prompt of "-", or no prompt
+    with a pipe on stdin) -- a long prompt does not fit on a command line."""
+    source = args.file or ("-" if args.prompt == "-" or (args.prompt is None and not sys.stdin.isatty()) else None)
+    if source is not None and args.prompt not in (None, "-"):
+        raise ValueError("give the prompt as an argument or with --file, not both")
+    if source == "-":
+        return sys.stdin.read()
+    if source is not None:
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    if args.prompt is None:
+        raise ValueError("no prompt: give one as an argument, with --file PATH, or on standard input")
+    return args.prompt
 
 
 def _style(on: bool):
@@ -43,9 +70,11 @@ def _style(on: bool):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    text = _read_prompt(args)
     engine = load_engine(args)
     kw = _sampling(args)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    kw["progress"] = prefill_bar()
+    prompt = [{"role": "user", "content": text}] if args.chat else text
     if args.chat and args.no_thinking:
         kw["enable_thinking"] = False
     dim, reset = _style(not args.json and sys.stdout.isatty())
@@ -84,8 +113,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .session import Session
     engine = load_engine(args)
     kw = _sampling(args)
+    kw["progress"] = prefill_bar()
     if args.no_thinking:
         kw["enable_thinking"] = False
+    kw["chat_template_kwargs"] = {"preserve_thinking": args.preserve_thinking}
     session = engine.new_session()
     msgs: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     dim, reset = _style(not args.no_color and sys.stdout.isatty())
@@ -104,7 +135,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 last = d
         except KeyboardInterrupt:  # the session is as it was before the request
             print("\n[interrupted]")
-            msgs.pop()
+            if msgs[-1]["role"] == "user":
+                msgs.pop()
             return
         print()
         msgs.append(last.message or {"role": "assistant", "content": ""})
@@ -115,7 +147,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     while True:
         try:
             line = input("> " if interactive else "")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
+            print()
             break
         line = line.strip()
         if not line:
@@ -194,9 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
   lily generate --model mlx-community/Qwen3.6-35B-A3B-4bit --chat --max-tokens 256 "Write a haiku"
   lily generate -t 0 --max-tokens 32 "Once upon a time"          # greedy
   lily generate --seed 1 --top-p 0.9 --stop "\\n\\n" "Hello"       # same seed, same text
-  lily generate --json --logprobs --top-logprobs 3 "Hello" | jq .text""")
+  lily generate --json --logprobs --top-logprobs 3 "Hello" | jq .text
+  lily generate --chat --file paper.txt                          # a long prompt from a file (or: < paper.txt)
+
+A prompt of more than one prefill chunk shows a progress bar; Ctrl-C stops at the next chunk or token.""")
     add_model_args(g)
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", default=None, help='the prompt ("-" or none with a pipe: standard input)')
+    g.add_argument("--file", "-f", default=None, help="read the prompt from this file (- = standard input)")
     _add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -211,11 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
   printf 'hi\\n/retry\\n/save s.lily\\n' | lily chat     # scripted from stdin
 
 """ + CHAT_HELP + """
-Each turn prefills only what follows the cached conversation; thinking is shown dimmed.""")
+Each turn prefills only the new message (the answers stay in the history as generated, with their thinking:
+--no-preserve-thinking drops it); thinking is shown dimmed; Ctrl-C stops an answer and keeps the session.""")
     add_model_args(ch)
     _add_sampling_args(ch)
     ch.add_argument("--system", default=None, help="system message")
     ch.add_argument("--no-color", action="store_true", help="do not dim the thinking")
+    ch.add_argument("--preserve-thinking", action=argparse.BooleanOptionalAction, default=True,
+                    help="render earlier answers with their reasoning, as generated (default: on, so that each turn "
+                         "prefills only the new message; --no-preserve-thinking: the template drops it, as Qwen's "
+                         "default does)")
     ch.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("synth", help="write a synthetic checkpoint of the exact architecture", formatter_class=ex,
@@ -248,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
         print(f"lily {args.command}: error: {e}", file=sys.stderr)
         return 2
 

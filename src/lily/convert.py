@@ -308,6 +308,26 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
                     "tokenizer.model", "generation_config.json")
 
 
+def _check_hf_layout(src: Path) -> None:
+    """Refuses, before anything is written, a source that is not an HF checkpoint (one already converted)."""
+    from .checkpoint import CheckpointError, _detect_layout
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        names = list(json.loads(index.read_text()).get("weight_map", {}))
+    else:
+        names = []
+        for f in sorted(src.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                names += [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
+    if not names:
+        raise CheckpointError(f"{src}: no safetensors weights to convert")
+    if _detect_layout(names, src)[0] == "mlx":
+        raise CheckpointError(f"{src}: already in the MLX layout (language_model.model.* tensors"
+                              f"{', quantized' if any(n.endswith('.scales') for n in names) else ''}): nothing to "
+                              "convert; lily loads it as it is")
+
+
 def convert_hf_to_mlx_q4(src_dir, out_dir, *, bits: int = 4, group_size: int = 64,
                          dtype: Optional[str] = None, max_shard_bytes: int = 5 << 30,
                          chunk_rows: int = 1 << 14, overwrite: bool = False, log=None) -> Path:
@@ -326,9 +346,10 @@ def convert_hf_to_mlx_q4(src_dir, out_dir, *, bits: int = 4, group_size: int = 6
     say = log or (lambda *a: None)
     src = Path(src_dir)
     out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists")
+    _check_hf_layout(src)
     if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} already exists")
         shutil.rmtree(out)
     with open(src / "config.json") as f:
         config = json.load(f)

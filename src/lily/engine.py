@@ -26,8 +26,8 @@ from . import _core, sampling
 
 CancelFlag = _core.CancelFlag  # set() from any thread: the prompt stops before its next prefill chunk
 Cancelled = _core.Cancelled    # what a stream whose CancelFlag was set raises (a RuntimeError)
-from .checkpoint import Checkpoint, Qwen36Config, read_checkpoint, resolve
-from .session import Session
+from .checkpoint import Checkpoint, CheckpointError, Qwen36Config, read_checkpoint, resolve
+from .session import GeneratedTurns, Session, answer_ids
 from .tokenizer import Tokenizer
 
 BACKENDS = ("reference", "metal-emu", "metal")
@@ -43,6 +43,40 @@ def backend_unavailable(backend: str) -> str | None:
                 "libboost-context-dev), then pip install . again")
     if backend == "metal" and sys.platform != "darwin":
         return "needs macOS on Apple silicon (metal-emu runs the same kernels in the emulator)"
+    return None
+
+
+# A thread of the reference backend per this many bytes of weights: the decode step of a small model is many
+# short operations, where waking a second thread costs more than it saves (synthetic:tiny, 1.5 MB, decodes faster
+# on one thread; see docs/reuse.md "Threads").
+WEIGHT_BYTES_PER_THREAD = 16 << 20
+
+
+def default_threads(checkpoint: Checkpoint) -> int:
+    """Threads of the reference backend when none are asked for: one per WEIGHT_BYTES_PER_THREAD of weights, at
+    least one and at most the CPUs this process may run on."""
+    weights = sum(os.path.getsize(f) for f in checkpoint.files)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, weights // WEIGHT_BYTES_PER_THREAD))
+
+
+def nonfinite_weight(checkpoint: Checkpoint) -> tuple[Path, str] | None:
+    """The first floating-point tensor of the checkpoint's files holding a NaN or an infinity: (file, tensor
+    name), or None. Reads every float tensor: run only once something went wrong."""
+    exponent = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
+    for path in checkpoint.files:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        for name, meta in header.items():
+            if name == "__metadata__" or meta.get("dtype") not in exponent:
+                continue
+            dtype, mask = exponent[meta["dtype"]]
+            b, e = meta["data_offsets"]
+            bits = data[b:e].view(dtype)
+            if np.any((bits & mask) == mask):
+                return Path(path), name
     return None
 
 
@@ -119,16 +153,59 @@ class Completion:
     def prompt_tokens(self) -> int:
         return self.usage.prompt_tokens
 
+    def _repr_html_(self) -> str:  # Jupyter: the answer, the reasoning folded, the usage
+        from .display import completion_html, usage_line
+        return completion_html(self.text, self.reasoning, self.tool_calls,
+                               usage_line(self.usage, self.timings, self.finish_reason))
+
+
+class Stream:
+    """What Engine.stream returns: an iterator of Deltas; close() stops it early and leaves the session as it was.
+    As the value of a notebook cell it shows the text as it is generated (lily.display.show_stream)."""
+
+    def __init__(self, deltas: Iterator[Delta]):
+        self._deltas = deltas
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+
+    def _ipython_display_(self) -> None:
+        from .display import show_stream
+        show_stream(self)
+
 
 @dataclass
 class ChatPrompt:
     """Chat messages rendered by the checkpoint's template (Engine.chat_prompt), ready to pass as a prompt: the
     text, its token ids, where the conversation ends and the generation prompt begins (the session snapshot
-    point; 0 when the template does not split that way), and whether the prompt opens a reasoning block."""
+    point; 0 when the template does not split that way), and whether the prompt opens a reasoning block.
+    messages, tools and template_kwargs are what it was rendered from (the answer's turn is rendered with them)."""
     text: str
     ids: list[int]
     boundary: int
     in_reasoning: bool
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class PrefillProgress:
+    """Where a request's prompt processing stands (the `progress` callback of Engine.stream / generate, called
+    after every prefill chunk): tokens done of the tokens this request processes (cached ones excluded)."""
+    done: int
+    total: int
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 @dataclass
@@ -144,7 +221,9 @@ class _Request:
     tools: list | None
     session: Session | None
     chunk: int
+    chat_prompt: ChatPrompt | None = None  # chat messages: the answer's turn is remembered as generated
     cancel: object = None      # _core.CancelFlag checked before each prefill chunk
+    progress: object = None    # callable(PrefillProgress) after each prefill chunk
 
 
 class Engine:
@@ -162,6 +241,9 @@ class Engine:
             raise ValueError(f"max_context must be in [1, {limit}] (the model's max_position_embeddings), got {max_context}")
         self.max_context = max_context or limit
         self._model = checkpoint.core_model()
+        if threads == 0 and backend == "reference":
+            threads = default_threads(checkpoint)
+        self.threads = threads
         # metal-emu runs the .metal kernels in the emulator built next to this package (lily/_metal_emu.so).
         library = str(Path(__file__).parent / "_metal_emu.so") if backend == "metal-emu" else ""
         # count_bytes=False (metal-emu) skips the emulator's byte counting, several times faster: the
@@ -180,6 +262,7 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self._defaults: dict | None = None
         self._active = None  # the unfinished stream, if any (one request at a time per engine)
+        self._turns = GeneratedTurns()  # chat turns as generated: later prompts that contain them reuse the state
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | os.PathLike, backend: str = "reference", *,
@@ -285,7 +368,7 @@ class Engine:
     def stream(self, prompt, *, logprobs: bool = False, top_logprobs: int = 0, enable_thinking: bool | None = None,
                tools: list[dict] | None = None, session: Session | None = None, chunk_size: int | None = None,
                chat_template_kwargs: dict | None = None, cancel: CancelFlag | None = None,
-               **options) -> Iterator[Delta]:
+               progress=None, **options) -> Stream:
         """Generates and yields Deltas as tokens are decoded (see generate() for `prompt`).
 
         options: the sampling options of lily.sampling.SamplingOptions (defaults: generation_config.json):
@@ -293,40 +376,47 @@ class Engine:
         + output), presence_penalty / frequency_penalty (OpenAI, over the output), seed (same seed, same tokens),
         stop (strings that end the text, never emitted); any other keyword is a TypeError. logprobs /
         top_logprobs: per-token log-probabilities. enable_thinking, tools, chat_template_kwargs: passed to the
-        chat template. session: continue a Session, feeding only the tokens after its longest cached prefix.
+        chat template (chat_template_kwargs={"preserve_thinking": True} keeps earlier answers' reasoning, so that
+        the history stays as generated and each turn prefills only the new messages). session: continue a
+        Session, feeding only the tokens after its longest cached prefix.
 
         Everything is checked before any work (a prompt beyond the context limit raises ContextLimitError).
         Closing the iterator early (break, close()) or an error leaves the session as it was before. cancel: a
         lily.CancelFlag another thread may set() to stop the prompt between two prefill chunks (a long prompt
-        is otherwise one uninterruptible call); the iterator then raises lily.Cancelled."""
+        is otherwise one uninterruptible call); the iterator then raises lily.Cancelled. Ctrl-C
+        (KeyboardInterrupt) also takes effect between two chunks. progress: called with a PrefillProgress after
+        every prefill chunk (lily.display.prefill_bar draws it as a progress bar)."""
         opts = sampling.check_keywords(options, "Engine.stream")
         req = self._prepare(prompt, opts, logprobs, top_logprobs, enable_thinking, tools, session, chunk_size,
                             chat_template_kwargs or {})
         self._check_idle()
         holder: dict = {}
-        req.cancel = cancel
+        req.cancel, req.progress = cancel, progress
         gen = self._run(req, holder)
         holder["gen"] = self._active = gen
-        return gen
+        return Stream(gen)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, *,
-                    enable_thinking: bool | None = None, **template_kwargs) -> ChatPrompt:
+                    enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
+                    **template_kwargs) -> ChatPrompt:
         """Renders chat messages with the checkpoint's template (Hugging Face semantics) and tokenises them once;
-        generate() / stream() take the result as their prompt (a server validates and counts it first)."""
+        generate() / stream() take the result as their prompt (a server validates and counts it first).
+        chat_template_kwargs (or keywords): template variables such as preserve_thinking. Earlier answers this
+        engine generated are tokenised as generated (lily.session.GeneratedTurns)."""
         from .chat import prompt_opens_reasoning
-        kw = dict(template_kwargs)
+        kw = {**(chat_template_kwargs or {}), **template_kwargs}
         if enable_thinking is not None:
             kw["enable_thinking"] = enable_thinking
         tok = self.tokenizer
         text = tok.apply_chat_template(messages, tools, add_generation_prompt=True, tokenize=False, **kw)
-        ids = tok.encode(text)
+        ids = self._turns.encode(tok, text)
         head = tok.apply_chat_template(messages, tools, add_generation_prompt=False, tokenize=False, **kw)
         boundary = 0
         if text.startswith(head) and len(head) < len(text):
-            hid = tok.encode(head)
+            hid = self._turns.encode(tok, head)
             if hid == ids[:len(hid)]:
                 boundary = len(hid)
-        return ChatPrompt(text, ids, boundary, prompt_opens_reasoning(text))
+        return ChatPrompt(text, ids, boundary, prompt_opens_reasoning(text), list(messages), tools, kw)
 
     def _prepare(self, prompt, opts: sampling.SamplingOptions, logprobs, top_logprobs, enable_thinking, tools,
                  session, chunk_size, template_kwargs) -> _Request:
@@ -351,7 +441,7 @@ class Engine:
             raise ValueError("stop must be a string or a list of strings")
         if session is not None and session.engine is not self:
             raise ValueError("the session belongs to another engine")
-        boundary, chat, in_reasoning = 0, False, False
+        boundary, chat, in_reasoning, chat_prompt = 0, False, False, None
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             in_reasoning = chat = prompt_opens_reasoning(prompt)
@@ -362,6 +452,7 @@ class Engine:
                     kw["enable_thinking"] = enable_thinking
                 prompt = self.chat_prompt(prompt, tools, **kw)
             ids, boundary, chat, in_reasoning = prompt.ids, prompt.boundary, True, prompt.in_reasoning
+            chat_prompt = prompt
         else:
             ids = prompt
         ids = [int(t) for t in _as_ids(ids, self.config.vocab_size)]
@@ -371,7 +462,7 @@ class Engine:
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         return _Request(ids, boundary, p, max_tokens, stops, list(self.config.eos_token_id), chat, in_reasoning,
-                        tools, session, chunk_size or 0)
+                        tools, session, chunk_size or 0, chat_prompt)
 
     def _run(self, req: _Request, holder: dict) -> Iterator[Delta]:
         from .chat import ChatParser
@@ -384,22 +475,26 @@ class Engine:
             empty = np.zeros(0, dtype=np.int32)
             if sess is None:
                 core, cached = self._core.new_session(), 0
-                gen = self._core.generation(core, np.asarray(ids, np.int32), req.max_tokens, req.stop_ids,
+                prefill = _Prefill(self, req, core, len(ids))
+                last = prefill.last_chunk_start(len(ids))
+                prefill.feed(ids[:last])
+                gen = self._core.generation(core, np.asarray(ids[last:], np.int32), req.max_tokens, req.stop_ids,
                                             req.params, req.chunk, cancel=req.cancel)
             else:
                 plan = sess._plan(ids)
                 core, cached, first = plan.core, plan.cached, plan.first_logits
                 before = (core.prefilled, core.decoded)
+                prefill = _Prefill(self, req, core, len(ids) - cached)
                 if first is None:
                     # Feed the prompt here, with snapshots at the end of the conversation's messages (where the
                     # next turn's prompt diverges at the earliest) and at the end of the prompt (with its logits).
                     pos = cached
                     if pos < req.boundary < len(ids):
-                        self._core.feed(core, np.asarray(ids[pos:req.boundary], np.int32), req.chunk, req.cancel)
+                        prefill.feed(ids[pos:req.boundary])
                         plan.added.append(snap := sess._snapshot_of(core, "boundary"))
                         sess._add(snap)
                         pos = req.boundary
-                    first = self._core.feed(core, np.asarray(ids[pos:], np.int32), req.chunk, req.cancel)[0]
+                    first = prefill.feed(ids[pos:])
                     plan.added.append(snap := sess._snapshot_of(core, "prompt", first))
                     sess._add(snap)
                 gen = self._core.generation(core, empty, req.max_tokens, req.stop_ids, req.params, req.chunk,
@@ -434,6 +529,7 @@ class Engine:
                 now = time.perf_counter()
                 if ttft is None:
                     ttft, t_first = now - t0, now
+                    prefill.finish()
                 out.append(c.token)
                 piece = "" if c.token in req.stop_ids else detok.push(c.token)
                 emit, stopped = stopper.push(piece)
@@ -472,20 +568,89 @@ class Engine:
                                     (len(out) - 1) / dec if dec > 0 else 0.0, t_end - t0)
             final.seed, final.stop = req.params.seed, matched
             final.message = parser.output.message() if parser else None
+            if req.chat_prompt is not None and matched is None:
+                self._remember_turn(req, out, final.message)
             plan = None
             self._active = None  # committed: the next request may start while the caller reads the last delta
             yield final
-        except BaseException:
+        except BaseException as err:
             if gen is not None:
                 gen.close()
             if plan is not None:
                 if before is not None:
                     sess._count(plan.core, before)
                 sess._rollback(plan)
+            # the sampler sees the symptom; the weights hold the cause
+            if isinstance(err, RuntimeError) and "every logit is -inf or NaN" in str(err) and \
+                    (bad := nonfinite_weight(self.checkpoint)):
+                raise CheckpointError(f"{bad[0]}: tensor {bad[1]} holds NaN or Inf values (the model cannot "
+                                      "produce a token)") from None
             raise
         finally:
             if self._active is holder.get("gen"):
                 self._active = None
+
+    def _remember_turn(self, req: _Request, generated: list[int], message: dict) -> None:
+        """Remembers the conversation through this answer, as the template renders it, as the ids that ran."""
+        cp, tok = req.chat_prompt, self.tokenizer
+        try:
+            history = tok.apply_chat_template(cp.messages + [message], cp.tools, add_generation_prompt=False,
+                                              tokenize=False, **cp.template_kwargs)
+        except Exception:  # noqa: BLE001 -- a template that rejects the answer's turn: nothing to remember
+            return
+        if not history.startswith(cp.text):
+            return  # the template renders this turn unlike its generation prompt: a new prompt re-tokenises it
+        no_content = not message.get("content") and not message.get("tool_calls")
+        ans = answer_ids(tok, history[len(cp.text):], generated, req.stop_ids, no_content)
+        if ans is not None:
+            key = GeneratedTurns.key(history)
+            self._turns.put(key, req.ids + ans)
+            if req.session is not None:
+                req.session._remember(key, req.ids + ans)
+
+
+class _Prefill:
+    """Feeds a request's prompt in chunks from here, so that between two chunks the progress callback runs and
+    Ctrl-C (a KeyboardInterrupt, raised when Python code runs again) takes effect."""
+
+    def __init__(self, engine: Engine, req: _Request, core, total: int):
+        self.engine, self.req, self.core, self.total = engine, req, core, total
+        limit = engine._core.max_rows
+        self.rows = min(req.chunk, limit) if req.chunk else limit  # the C++ engine's chunk_rows
+        self.done, self.t0 = 0, time.perf_counter()
+
+    def _starts(self, n: int) -> list[int]:
+        """Where the chunks of n tokens start, as the C++ engine cuts them; a one-token feed is a decode step,
+        so a last chunk of one row stays with the chunk before it (the C++ loop runs it as a prefill chunk)."""
+        starts = list(range(0, n, self.rows))
+        if len(starts) > 1 and n - starts[-1] == 1:
+            starts.pop()
+        return starts
+
+    def last_chunk_start(self, n: int) -> int:
+        """Where the tokens left to the generation start (it selects the first token where the logits are)."""
+        return self._starts(n)[-1] if n else 0
+
+    def _report(self) -> None:
+        if self.req.progress is not None:
+            self.req.progress(PrefillProgress(self.done, self.total, time.perf_counter() - self.t0))
+
+    def feed(self, ids: list[int]) -> np.ndarray | None:
+        """Feeds `ids`; the logits of the last one [V] (None when there is nothing to feed)."""
+        starts = self._starts(len(ids))
+        last = None
+        for b, e in zip(starts, starts[1:] + [len(ids)]):
+            part = np.asarray(ids[b:e], np.int32)
+            last = self.engine._core.feed(self.core, part, self.req.chunk, self.req.cancel)[0]
+            self.done += len(part)
+            self._report()
+        return last
+
+    def finish(self) -> None:
+        """The first token is out: the whole prompt has been processed."""
+        if self.done < self.total:
+            self.done = self.total
+            self._report()
 
 
 def _as_ids(token_ids, vocab: int) -> np.ndarray:

@@ -13,6 +13,15 @@ each answer ended. Regenerating the last answer, editing an earlier message or s
 snapshot with the longest token history that is a prefix of the new prompt. Snapshots are bounded by a memory
 budget and evicted least recently used. Snapshots are never modified: a request resumes on a copy.
 
+Chat turns are matched as generated (GeneratedTurns, one per engine): when an answer ends, the engine renders the
+conversation with that answer appended and remembers that this text stands for the ids the request ran (the
+prompt, the generated ids, and the template's closing markup). The next prompt that starts with that text is
+tokenised as those ids, so the live state is a prefix of it however the text would re-tokenise: with
+`preserve_thinking` (earlier answers keep their reasoning) every turn prefills only the new messages. Where the
+template normalises what the model wrote (whitespace around the reasoning, a thinking block closed after a
+length cut) the rendered answer is still the message parsed from those ids; an edited message renders other
+text and falls back to the nearest snapshot.
+
 A request that fails or is cancelled (a stream closed early) leaves the session exactly as it was before the
 request began: the live state it would have changed is restored from a copy taken when the request started.
 
@@ -28,6 +37,7 @@ import hashlib
 import json
 import os
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +51,7 @@ if TYPE_CHECKING:
 
 FORMAT = "lily.session/1"
 DEFAULT_SNAPSHOT_BUDGET = 4 << 30  # bytes of snapshot state per session
+MAX_SESSION_TURNS = 64  # answers a session keeps for GeneratedTurns (saved with it)
 
 
 class SessionFileError(ValueError):
@@ -95,6 +106,7 @@ class Session:
         self._clock = 0
         self._prefilled = 0  # tokens this session ran through prefill / decode, over every request
         self._decoded = 0
+        self.turns: list[tuple[tuple[int, bytes], list[int]]] = []  # its answers, as GeneratedTurns keys and ids
 
     # ------------------------------------------------------------------ state
     @property
@@ -132,13 +144,17 @@ class Session:
     def fork(self) -> "Session":
         """An independent copy: the live state is copied, snapshots (immutable) are shared."""
         f = Session(self.engine, self.engine._core.clone_session(self._core), snapshot_budget=self.snapshot_budget)
-        f.snapshots = list(self.snapshots)
+        f.snapshots, f.turns = list(self.snapshots), list(self.turns)
         return f
 
     def reset(self) -> None:
         """Forget everything: an empty state, no snapshots."""
         self._core = self.engine._core.new_session()
-        self.snapshots = []
+        self.snapshots, self.turns = [], []
+
+    def _remember(self, key: tuple[int, bytes], ids: list[int]) -> None:
+        """Keeps an answer's GeneratedTurns entry, so that a saved session matches its turns after a restart."""
+        self.turns = [t for t in self.turns if t[0] != key][-(MAX_SESSION_TURNS - 1):] + [(key, list(ids))]
 
     # ------------------------------------------------------------------ snapshots
     def _tick(self) -> int:
@@ -237,6 +253,7 @@ class Session:
             entries.append({"tag": tag, "kind": kind, "tokens": [int(t) for t in core.tokens],
                             "logits": logits is not None})
         manifest = {"format": FORMAT, "fingerprint": fingerprint(e), "entries": entries,
+                    "turns": [_turn_entry(key, ids, self._core.tokens) for key, ids in self.turns],
                     "crc32": {name: zlib.crc32(data) for name, _, _, data in tensors}}
         safetensors_io.write_file(path, [(name, _DTYPE[dt], shape, data) for name, dt, shape, data in tensors],
                                   {"lily.session": json.dumps(manifest)})
@@ -295,10 +312,95 @@ class Session:
                 s.snapshots.append(Snapshot(tuple(core.tokens), core, entry["kind"],
                                             int(engine._core.state_bytes(core)), logits, s._tick()))
         s._evict()
+        live = s._core.tokens
+        for t in manifest.get("turns", []):  # files written before turns were kept have none
+            key, ids = (int(t["chars"]), bytes.fromhex(t["sha256"])), list(live[:int(t["shared"])]) + t["tail"]
+            s._remember(key, ids)
+            engine._turns.put(key, ids)
         return s
 
 
+# ---------------------------------------------------------------------------------------------- generated turns
+
+class GeneratedTurns:
+    """Rendered conversations through a generated answer -> the token ids the model ran for them (see the module
+    docstring); at most `max_tokens` ids in all, least recently used dropped first."""
+
+    def __init__(self, max_tokens: int = 8 << 20):
+        self.max_tokens = max_tokens
+        self._ids: OrderedDict[tuple[int, bytes], np.ndarray] = OrderedDict()  # (chars, sha256 of text) -> int32
+        self._held = 0
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @staticmethod
+    def key(text: str) -> tuple[int, bytes]:
+        """(characters, sha256 of the UTF-8): what identifies a rendered conversation."""
+        return len(text), hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def put(self, key: tuple[int, bytes], ids) -> None:
+        if key in self._ids:
+            self._held -= self._ids.pop(key).size
+        self._ids[key] = np.asarray(ids, dtype=np.int32)
+        self._held += self._ids[key].size
+        while self._held > self.max_tokens and len(self._ids) > 1:
+            self._held -= self._ids.popitem(last=False)[1].size
+
+    def longest(self, text: str) -> tuple[int, list[int]]:
+        """The longest remembered conversation that `text` starts with: (its length in characters, its ids), or
+        (0, []) when none."""
+        for n in sorted({n for n, _ in self._ids if n <= len(text)}, reverse=True):
+            key = self.key(text[:n])
+            if key in self._ids:
+                self._ids.move_to_end(key)
+                return n, self._ids[key].tolist()
+        return 0, []
+
+    def encode(self, tokenizer, text: str) -> list[int]:
+        """`text` tokenised with its remembered head as generated and the rest by the tokenizer."""
+        n, head = self.longest(text)
+        return head + (tokenizer.encode(text[n:]) if n < len(text) else [])
+
+
+def answer_ids(tokenizer, answer: str, generated: list[int], stop_ids, ended_in_reasoning: bool) -> list[int] | None:
+    """The ids that stand for `answer` (an assistant turn as the chat template renders it, from the text after the
+    prompt to the end of the turn's markup) given the ids the model generated for it: `generated`, then the markup
+    the template writes after them. None when `answer` is not a rendering of what was generated.
+
+    The generated text is a prefix of the answer when the template wrote it back unchanged; otherwise the template
+    normalised it (whitespace next to the reasoning), and the markup that follows is the end of the turn after a
+    stop id, or the closing of the thinking block and the turn after a length cut."""
+    from .chat import THINK_END
+    text = tokenizer.decode(generated)
+    if answer.startswith(text):
+        rest = answer[len(text):]
+    elif generated and generated[-1] in stop_ids:
+        # the stop id stands for the end-of-turn marker; what follows it is the template's
+        marker = tokenizer.decode(generated[-1:])
+        i = answer.rfind(marker)
+        if i < 0:
+            return None
+        rest = answer[i + len(marker):]
+    else:
+        markup = answer.rfind("\n" + THINK_END) if ended_in_reasoning else -1
+        ends = [tokenizer.decode([t]) for t in stop_ids]
+        end = max(answer.rfind(e) for e in ends) if ends else -1
+        i = markup if markup >= 0 else end
+        if i < 0:
+            return None
+        rest = answer[i:]
+    return list(generated) + (tokenizer.encode(rest) if rest else [])
+
+
 # ---------------------------------------------------------------------------------------------- helpers
+
+def _turn_entry(key: tuple[int, bytes], ids: list[int], live) -> dict:
+    """A GeneratedTurns entry for the manifest: the ids as the length shared with the live tokens plus the rest
+    (an earlier answer's ids are mostly a prefix of the live state: the file does not repeat them)."""
+    shared = _common_prefix(ids, live)
+    return {"chars": key[0], "sha256": key[1].hex(), "shared": shared, "tail": [int(t) for t in ids[shared:]]}
+
 
 def fingerprint(engine: "Engine") -> dict:
     """What a saved state depends on: the model config, the weight files (names and sizes) and the backend."""

@@ -50,7 +50,7 @@ from . import tokenizer_build as tb
 __all__ = ["SCALES", "VERSION", "Geometry", "geometry", "text_config", "config_dict",
            "planned_tensors", "write_synthetic", "ensure_synthetic", "cache_dir"]
 
-VERSION = 1  # bump when the generated content changes (cache key)
+VERSION = 2  # bump when the generated content changes (cache key); 2: the chat template's preserve_thinking as Qwen3.6's
 GROUP = 64
 
 

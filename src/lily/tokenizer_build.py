@@ -244,8 +244,9 @@ CHAT_TEMPLATE = r"""{%- set ns = namespace(last_query_index=messages|length - 1,
             {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
             {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
         {%- endif -%}
-        {%- if (preserve_thinking is defined and preserve_thinking) or loop.index0 > ns.last_query_index -%}
-            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') -}}
+        {%- set reasoning_content = reasoning_content | trim -%}
+        {%- if (preserve_thinking is defined and preserve_thinking is true) or loop.index0 > ns.last_query_index -%}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content + '\n</think>\n\n' + content -}}
         {%- else -%}
             {{- '<|im_start|>assistant\n' + content -}}
         {%- endif -%}

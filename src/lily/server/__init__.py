@@ -113,6 +113,10 @@ needs the server extra: pip install 'lily[server]'""")
                    help=f"sessions kept for prefix reuse, 0 = off (default: {DEFAULT_CACHE_SESSIONS})")
     p.add_argument("--cache-gb", type=float, default=DEFAULT_CACHE_BYTES / (1 << 30),
                    help=f"model state kept for prefix reuse, GiB (default: {DEFAULT_CACHE_BYTES / (1 << 30):g})")
+    p.add_argument("--preserve-thinking", action="store_true",
+                   help="render earlier answers with their reasoning (chat_template_kwargs.preserve_thinking) unless "
+                        "a request says otherwise: the history stays as generated and each turn of an agent "
+                        "prefills only its new messages (Qwen recommends it for agents)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
     return p
@@ -131,5 +135,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
           model_name=args.served_model_name or args.model, aliases=args.alias,
           api_key=args.api_key or os.environ.get("LILY_API_KEY"), max_queue=args.max_queue,
           max_tokens_limit=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
-          cache_sessions=args.cache_sessions, cache_bytes=int(args.cache_gb * (1 << 30)))
+          cache_sessions=args.cache_sessions, cache_bytes=int(args.cache_gb * (1 << 30)),
+          preserve_thinking=args.preserve_thinking)
     return 0

@@ -101,12 +101,14 @@ class _OutputParser:
 def create_app(engine: "Engine", *, model_name: str | None = None, api_key: str | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT, cache_sessions: int = DEFAULT_CACHE_SESSIONS,
-               cache_bytes: int = DEFAULT_CACHE_BYTES, aliases=()):
+               cache_bytes: int = DEFAULT_CACHE_BYTES, aliases=(), preserve_thinking: bool = False):
     """The ASGI app (FastAPI) serving `engine`. api_key: require `Authorization: Bearer <api_key>` (every route
     but /health). max_queue: requests that may wait while one runs. max_body_bytes: the largest request body.
     max_tokens_limit: the largest max_tokens a request may ask for (also the default when it asks for none,
     within the context). cache_sessions / cache_bytes: the prefix cache's bounds (0 sessions turns it off).
-    aliases: other names a request's `model` may give (any other name is a 404)."""
+    aliases: other names a request's `model` may give (any other name is a 404). preserve_thinking: render
+    earlier answers with their reasoning unless a request says otherwise (the history stays as generated, so an
+    agent's every turn reuses the cached state of the previous one)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -120,7 +122,7 @@ def create_app(engine: "Engine", *, model_name: str | None = None, api_key: str 
 
     name = model_name or _default_model_name(engine)
     cfg = ServerConfig(name, api_key, max(0, max_queue), max_body_bytes, max(1, max_tokens_limit), cache_sessions,
-                       cache_bytes, tuple(aliases))
+                       cache_bytes, tuple(aliases), preserve_thinking)
     ChatCompletionRequest, CompletionRequest = request_schemas(cfg.names)
     server = LilyServer(engine, cfg)
     engine.tokenizer  # loaded here, not raced for by the first requests' threads

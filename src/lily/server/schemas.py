@@ -109,6 +109,8 @@ def request_schemas(model_names: tuple[str, ...]):
         parallel_tool_calls: Optional[bool] = None
         response_format: Optional[ResponseFormat] = None
         chat_template_kwargs: Optional[dict[str, Any]] = None
+        enable_thinking: Optional[bool] = None     # as chat_template_kwargs.enable_thinking (vLLM, SGLang)
+        preserve_thinking: Optional[bool] = None   # as chat_template_kwargs.preserve_thinking
         reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
         modalities: Optional[list[str]] = None
         audio: Optional[dict[str, Any]] = None

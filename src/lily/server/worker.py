@@ -171,6 +171,7 @@ class ServerConfig:
     cache_sessions: int = DEFAULT_CACHE_SESSIONS
     cache_bytes: int = DEFAULT_CACHE_BYTES
     aliases: tuple[str, ...] = ()                       # other names requests may give as `model`
+    preserve_thinking: bool = False  # the default of requests that do not say (lily serve --preserve-thinking)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -267,6 +268,7 @@ class LilyServer:
         bad = sorted(set(kw) & _RESERVED_TEMPLATE_KWARGS)
         if bad:
             raise APIError(400, f"chat_template_kwargs cannot set {', '.join(bad)}", param="chat_template_kwargs")
+        _top_level_template_switches(req, kw, self.config.preserve_thinking)
         thinking = kw.pop("enable_thinking", None)
         if thinking is not None and not isinstance(thinking, bool):
             raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean",
@@ -454,6 +456,19 @@ class LilyServer:
 
 
 # ============================================================================================ template input
+def _top_level_template_switches(req, kw: dict, default_preserve: bool) -> None:
+    """Moves the request's top-level enable_thinking / preserve_thinking into the template kwargs `kw` (one value
+    per switch: the two places may not disagree); preserve_thinking defaults to the server's."""
+    for name in ("enable_thinking", "preserve_thinking"):
+        top = getattr(req, name)
+        if top is not None and name in kw and kw[name] != top:
+            raise APIError(400, f"{name} is {top} but chat_template_kwargs.{name} is {kw[name]!r}", param=name)
+        if top is not None:
+            kw[name] = top
+    if default_preserve:
+        kw.setdefault("preserve_thinking", True)
+
+
 def _template_message(i: int, m) -> dict:
     """An OpenAI chat message as the chat template wants it."""
     where = f"messages[{i}]"
