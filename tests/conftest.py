@@ -15,6 +15,8 @@ Fixtures (all model fixtures are session-scoped; builds are lazy and cached on d
 * ``gpu_backend``                        -- the GPU backend the backend-generic tests run on: ``metal-emu``
   (the MSL emulator, everywhere), or ``$LILY_TEST_BACKEND`` (``metal`` on a Mac, ``cuda`` on an NVIDIA
   GPU); skips with the reason when that backend is not built or has no device
+* ``kernel_device``                      -- the device of the kernel-level tests (``lily._core.kernels``),
+  chosen the same way (``metal-emu`` or ``metal``); skips like ``gpu_backend``
 * ``rng``                                -- ``np.random.Generator`` with a fresh seed per test;
   the seed is printed and attached to the failure report; set ``LILY_TEST_SEED`` to replay.
 """
@@ -63,7 +65,7 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-GPU_BACKEND = os.environ.get("LILY_TEST_BACKEND", "metal-emu")
+GPU_BACKEND = tinymodels.GPU_BACKEND
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +79,18 @@ def gpu_backend():
     if reason:
         pytest.skip(f"backend {GPU_BACKEND!r}: {reason}")
     return GPU_BACKEND
+
+
+@pytest.fixture(scope="session")
+def kernel_device(gpu_backend):
+    """The device the kernel-level tests (lily._core.kernels) run on, chosen like gpu_backend: the emulator, or
+    the real Metal device under LILY_TEST_BACKEND=metal; skips for a backend without Metal kernels."""
+    from lily._core import kernels
+
+    if gpu_backend not in ("metal-emu", "metal"):
+        pytest.skip(f"the Metal kernel tests need backend metal or metal-emu, not {gpu_backend!r}")
+    kernels.set_device(gpu_backend)
+    return gpu_backend
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The gated-attention kernel family (metal/attn.metal through csrc/backends/metal/attn.cpp) on the emulated
-device, against the NumPy reference in tests/reference/attn.py.
+device, against the NumPy reference in lily/kernel_reference/attn.py.
 
 Every case pre-fills the cache rows [0, pos) with random bf16 rows, runs attn_prepare for T new rows at pos
 (checked: queries, the new K/V rows, the untouched rows), then the attention (prefill or decode) whose bf16
@@ -13,56 +13,14 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference import attn as R  # noqa: E402
+from lily.kernel_reference import attn as R  # noqa: E402
 
 kernels = pytest.importorskip("lily._core").kernels
-if not kernels.available():
-    pytest.skip("the emulated kernel library (lily/_metal_emu.so) is not built", allow_module_level=True)
-
-ORDERS = {"forward": 0, "reverse": 1, "random": 2}
-THETA, EPS = 1e4, 1e-6
-# bf16 outputs: one rounding of the output (2^-9 relative) plus fp32 accumulation; a wrong key, a missing
-# rescale or a mask off by one row moves outputs by far more than this.
-OUT_RTOL, OUT_ATOL = 8e-3, 2e-3
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 
-def make_case(n_q, n_kv, d, r, T, pos, cap, seed):
-    rng = np.random.default_rng(seed)
-    bf = lambda a: R.bf16_bits(a.astype(np.float32))  # noqa: E731
-    return dict(
-        q_gate=bf(rng.standard_normal((T, n_q, 2 * d)) * 2.0),
-        k=bf(rng.standard_normal((T, n_kv, d)) * 2.0),
-        v=bf(rng.standard_normal((T, n_kv, d))),
-        q_norm=(1.0 + 0.3 * rng.standard_normal(d)).astype(np.float32),
-        k_norm=(1.0 + 0.3 * rng.standard_normal(d)).astype(np.float32),
-        # pre-filled history at [0, pos); rows past pos + T hold garbage the kernels must never read into results
-        k_cache=bf(rng.standard_normal((n_kv, cap, d)) * 2.0),
-        v_cache=bf(rng.standard_normal((n_kv, cap, d))),
-    )
 
-
-def run(mode, case, n_q, n_kv, d, r, pos, order="forward", path="auto", split_block=0, seed=1):
-    return kernels.attn_run(mode, case["q_gate"], case["k"], case["v"], case["q_norm"], case["k_norm"],
-                            case["k_cache"], case["v_cache"], n_q, n_kv, d, r, THETA, EPS, pos, path=path,
-                            split_block=split_block, order=ORDERS[order], seed=seed)
-
-
-def check_prepare(res, case, n_kv, d, r, T, pos):
-    f = R.bf16_float
-    q, k_rows, v_rows = R.prepare(f(case["q_gate"]), f(case["k"]), f(case["v"]), case["q_norm"], case["k_norm"],
-                                  pos, r, THETA, EPS)
-    # normed + roped values rounded once to bf16: equal up to one bf16 ulp where fp32 rounding straddles a tie
-    np.testing.assert_allclose(f(res["q"]), q, rtol=2 ** -7, atol=1e-6)
-    np.testing.assert_allclose(f(res["k_cache"][:, pos:pos + T]), k_rows.transpose(1, 0, 2), rtol=2 ** -7, atol=1e-6)
-    assert np.array_equal(res["v_cache"][:, pos:pos + T], case["v"].transpose(1, 0, 2))
-    for name in ("k_cache", "v_cache"):  # every other row untouched
-        assert np.array_equal(res[name][:, :pos], case[name][:, :pos])
-        assert np.array_equal(res[name][:, pos + T:], case[name][:, pos + T:])
-
-
-def reference_out(res, case, d, pos):
-    f = R.bf16_float
-    return R.attention(f(res["q"]), f(case["q_gate"])[..., d:], f(res["k_cache"]), f(res["v_cache"]), pos)
+from lily.kernel_reference.attn import EPS, ORDERS, OUT_ATOL, OUT_RTOL, THETA, check_prepare, make_case, reference_out, run  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("n_q,n_kv,d,r", [(4, 2, 32, 8), (2, 1, 64, 16), (8, 2, 128, 32), (16, 2, 256, 64)])

@@ -101,8 +101,8 @@ def test_bench_lily_only_table_and_caps(capsys):
     assert any("estimated" in s["reason"] for s in res["skipped"])
 
 
-def test_bench_counters_metal_emu():
-    e = lily.Engine.from_pretrained("synthetic:tiny", backend="metal-emu", count_bytes=True)
+def test_bench_counters_metal_emu(gpu_backend):
+    e = lily.Engine.from_pretrained("synthetic:tiny", backend=gpu_backend, count_bytes=True)
     res = bench.run_bench(e, lengths=[8], contexts=[8], decode_tokens=2, repeats=1, warmup=0, counters=True,
                           progress=False)
     c = res["counters"]
@@ -122,11 +122,11 @@ def test_bench_counters_metal_emu():
     json.dumps(res)
 
 
-def test_bench_ablations_side_by_side(tmp_path, capsys):
+def test_bench_ablations_side_by_side(tmp_path, capsys, gpu_backend):
     """lily bench --counters --ablations: every MetalOptions ablation's counters in the JSON and a table, each
     differing from "all on" the way the switch claims."""
     out = tmp_path / "a.json"
-    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", "metal-emu", "--lengths", "8",
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", gpu_backend, "--lengths", "8",
                                  "--contexts", "8", "--decode-tokens", "1", "--repeats", "1", "--warmup", "0",
                                  "--counters", "--ablations", "--quiet", "--json", str(out)])
     assert args.func(args) == 0

@@ -1,15 +1,15 @@
 """The common family (metal/common.metal via csrc/backends/metal/common.cpp) on the emulated device against
-tests/reference/common.py: embed (q4 / q8 / bf16 tables; first and last ids), rmsnorm (widths that are and are
+lily/kernel_reference/common.py: embed (q4 / q8 / bf16 tables; first and last ids), rmsnorm (widths that are and are
 not multiples of 4 and of the thread count), argmax (ties -> lowest index, the token written into its slot only).
 Every case runs under the forward, reverse and random schedules."""
 import numpy as np
 import pytest
 
-from reference import common as ref
-from reference.dense import bf16_float, random_matrix
+from lily.kernel_reference import common as ref
+from lily.kernel_reference.dense import bf16_float, random_matrix
 
 kernels = pytest.importorskip("lily._core").kernels
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 ORDERS = [0, 1, 2]  # forward, reverse, random
 

@@ -1,5 +1,5 @@
 """The dense family (metal/qgemv.metal for T = 1, metal/qgemm.metal for T > 1, through encode_project) on the
-emulated device against tests/reference/dense.py: q4 / q8 / bf16 weights, every output mode (bf16 store, f32
+emulated device against lily/kernel_reference/dense.py: q4 / q8 / bf16 weights, every output mode (bf16 store, f32
 store, f32 add into the residual), rows and cols not multiples of the tiles, T = 1, 2, 7, 33, under the
 forward, reverse and random schedules. The Counters show the GEMV reads each weight byte once and the GEMM
 writes nothing but its output (no dequantised copy of W); the fuse_dequant ablation's qgemv_dequant pass
@@ -13,37 +13,15 @@ import sys
 import numpy as np
 import pytest
 
-from reference import dense as ref
+from lily.kernel_reference import dense as ref
 
 kernels = pytest.importorskip("lily._core").kernels
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 PAGE = 4096
 
 
-def run(bits, rows, cols, T, mode, order, seed, skew=0, tensor_ops=False, path="auto", dequant=False):
-    rng = np.random.default_rng(seed)
-    w, s, b, W = ref.random_matrix(rng, rows, cols, bits)
-    x = ref.bf16_bits(rng.standard_normal((T, cols)).astype(np.float32))
-    residual = rng.standard_normal((T, rows)).astype(np.float32)
-    r = kernels.project(w, s, b, bits, rows, cols, x, mode, residual, order=order, seed=seed, weight_skew=skew,
-                       tensor_ops=tensor_ops, path=path, dequant=dequant)
-    want = ref.project(W, x, mode, residual, gemm=T > 1)
-    return r, want, W, x, residual
-
-
-def check(r, want, mode):
-    got = r["out"]
-    if mode == 0:
-        got = ref.bf16_float(got)
-        # fp32 accumulation (different order) then one bf16 rounding: within a bf16 ulp of the exact value,
-        # plus a small absolute floor for outputs near zero after cancellation.
-        tol = 2.0**-8 * np.abs(want) + 2e-5 * np.abs(want).max()
-    else:
-        tol = 1e-5 * np.abs(want) + 2e-5 * np.abs(want).max()
-    err = np.abs(got.astype(np.float64) - want)
-    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
-    assert np.all(err <= tol), f"max err {err.max()} at {np.unravel_index(np.argmax(err - tol), err.shape)}"
+from lily.kernel_reference.dense import check, run  # noqa: E402  (the cases lily doctor runs)
 
 
 # GEMV (T = 1): rows not multiples of 8 (rows per threadgroup), cols not multiples of 512 (one step).

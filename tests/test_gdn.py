@@ -1,5 +1,5 @@
 """The gdn kernel family (metal/gdn.metal through csrc/backends/metal/gdn.cpp) on the emulated device, against the
-NumPy reference tests/reference/gdn.py: prefill chunks and fused decode steps, carried nonzero conv and recurrent
+NumPy reference lily/kernel_reference/gdn.py: prefill chunks and fused decode steps, carried nonzero conv and recurrent
 state, chunk-split invariance, the three schedules, and the state traffic of the register-resident scan.
 
 Shapes: T rows; n_k / n_v key / value heads; d_k / d_v head dims; C = 2·n_k·d_k + n_v·d_v.
@@ -11,62 +11,15 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference import gdn as ref  # noqa: E402
+from lily.kernel_reference import gdn as ref  # noqa: E402
 
 kernels = pytest.importorskip("lily._core").kernels
-if not hasattr(kernels, "gdn_run"):
-    pytest.skip("lily._core built without the gdn entry point", allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 PAGE = 4096
-EPS = 1e-6
 
 
-def make_inputs(T, nk, nv, dk, dv, seed):
-    """Random, never-zero inputs and states (bf16 activations as bf16-representable f32)."""
-    rng = np.random.default_rng(seed)
-    C, V = 2 * nk * dk + nv * dv, nv * dv
-    f = np.float32
-    p = dict(
-        qkv=ref.bf16_round(rng.standard_normal((T, C)).astype(f)),
-        z=ref.bf16_round(rng.standard_normal((T, V)).astype(f)),
-        b=ref.bf16_round(rng.standard_normal((T, nv)).astype(f)),
-        a=ref.bf16_round(rng.standard_normal((T, nv)).astype(f) * 2),
-        conv_w=(rng.standard_normal((C, 4)) * 0.5).astype(f),
-        A_log=rng.uniform(-2, 1, nv).astype(f),
-        dt_bias=rng.uniform(-1, 1, nv).astype(f),
-        norm_w=rng.uniform(0.5, 1.5, dv).astype(f),
-        conv_state=rng.standard_normal((3, C)).astype(f),
-        rec_state=(rng.standard_normal((nv, dk, dv)) * 0.3).astype(f),
-    )
-    # one row driving the softplus past torch's threshold and one far below it
-    p["a"][0, 0] = 30.0
-    if T > 1:
-        p["a"][1, -1] = -30.0
-    return p
-
-
-def run(p, nk, nv, dk, dv, calls, order=0, seed=0, twin=False):
-    bits = {k: ref.bf16_bits(p[k]) for k in ("qkv", "z", "b", "a")}
-    r = kernels.gdn_run(bits["qkv"], bits["z"], bits["b"], bits["a"], p["conv_w"], p["A_log"], p["dt_bias"],
-                        p["norm_w"], p["conv_state"], p["rec_state"], nk, nv, dk, dv, EPS, calls, order, seed, twin)
-    r["out_f"] = ref.bf16_float(r["out"])
-    return r
-
-
-def reference(p, nk, nv, dk, dv):
-    return ref.gdn(p["qkv"], p["z"], p["b"], p["a"], p["conv_w"], p["A_log"], p["dt_bias"], p["norm_w"],
-                   p["conv_state"], p["rec_state"], nk, nv, dk, dv, EPS)
-
-
-def check_against_reference(r, p, nk, nv, dk, dv):
-    """The state is fp32 all the way (only summation order differs from numpy); the output is one bf16 store
-    of the same fp32 value, so within one bf16 ulp (2^-7 relative) per element. A wrong gate, head mapping,
-    conv tap or missed row moves results by O(1e-1) relative."""
-    out, conv_state, rec_state = reference(p, nk, nv, dk, dv)
-    np.testing.assert_array_equal(r["conv_state"], conv_state)  # pure data movement: exact
-    np.testing.assert_allclose(r["rec_state"], rec_state, rtol=0, atol=1e-5 * float(np.abs(rec_state).max()))
-    assert np.isfinite(r["out_f"]).all()
-    np.testing.assert_allclose(r["out_f"], out, rtol=2.0 ** -7, atol=1e-6)
+from lily.kernel_reference.gdn import EPS, check_against_reference, make_inputs, reference, run  # noqa: E402,F401
 
 
 # (T, n_k, n_v, d_k, d_v): d ∈ {32, 64, 128}, n_v/n_k ∈ {1, 2, 4}

@@ -5,7 +5,6 @@ the embedded sources device_metal.mm compiles.
 Encoder rule (csrc/backends/metal/device.cpp): a dispatch ends the current stage (barrier first) when it
 reads a range the stage wrote, or writes a range the stage read or wrote; reads never conflict."""
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -90,14 +89,9 @@ def test_embedded_sources_match_metal_dir():
 
 # ---------------------------------------------------------------- the emulated device
 
-def have_toolchain():
-    return shutil.which("clang++-19") or shutil.which("clang++")
-
-
-def test_emu_library_loads():
-    if not have_toolchain():
-        pytest.skip("no clang: the emulated library is not built")
-    assert kernels.available(), f"cannot load {kernels.emu_library_path()}"
+def test_emu_library_loads(kernel_device):
+    if kernel_device != "metal-emu":
+        pytest.skip("the emulated library's contents (this run uses the real Metal device)")
     names = kernels.emu_kernel_names()
     assert names == sorted(names)
     table = {n for _, n in kernels.kernel_table()}
@@ -123,9 +117,7 @@ def bf16_float(b):
 
 
 @pytest.mark.parametrize("order", [0, 1, 2])
-def test_dependent_dispatches_and_counters(order):
-    if not kernels.available():
-        pytest.skip("emulated kernel library not built")
+def test_dependent_dispatches_and_counters(order, kernel_device):
     rng = np.random.default_rng(7 + order)
     V, H, T = 50, 1024, 3  # x: 3 * 1024 * 4 = 12 KiB = 3 pages exactly
     q = rng.integers(0, 256, (V, H), dtype=np.uint8)  # 8-bit codes: element j is byte j of the row
@@ -154,13 +146,11 @@ def test_dependent_dispatches_and_counters(order):
 
 # ---------------------------------------------------------------- the Metal backend on the emulated device
 
-def test_metal_emu_backend_matches_reference():
-    if not kernels.available():
-        pytest.skip("emulated kernel library not built")
+def test_metal_emu_backend_matches_reference(gpu_backend):
     from lily.engine import Engine
     ref = Engine.from_pretrained("synthetic:tiny", "reference")
-    emu = Engine.from_pretrained("synthetic:tiny", "metal-emu", prefill_chunk=8)
-    assert emu._core.backend == "metal-emu"
+    emu = Engine.from_pretrained("synthetic:tiny", gpu_backend, prefill_chunk=8)
+    assert emu._core.backend == gpu_backend
     ids = [1, 5, 9, 200, 3, 7, 11, 13, 17, 19, 23]  # two prefill chunks (8 + 3)
     a, b = ref.logits(ids), emu.logits(ids)
     # bf16 activations between kernels: a few percent of the logit range, same greedy tokens.
@@ -181,3 +171,56 @@ def test_metal_emu_backend_matches_reference():
     assert d["last"]["command_buffers"] == 1 and d["last"]["cpu_waits"] == 1
     assert d["total"]["command_buffers"] == 3
     assert d["last"]["bytes_read"]["kv"] > 0 and d["last"]["bytes_written"]["state"] > 0
+
+
+# The library names of $LILY_METAL_FAIL_LIBRARY: kernels.def families on the emulator, metal/ files on a Mac.
+COMMON_LIBRARY = {"metal-emu": "common", "metal": "common.metal"}
+DENSE_LIBRARY = {"metal-emu": "dense", "metal": "qgemm.metal"}
+
+
+def test_failed_tensor_library_falls_back_to_simdgroup(monkeypatch, capfd, gpu_backend):
+    """A Metal 4 tensor-op library that fails (forced: $LILY_METAL_FAIL_LIBRARY=dense@4.0 fails the dense
+    library at MSL 4.0 only) costs one warning and the tensor kernels, not the backend: prefill runs the
+    simdgroup GEMMs and still matches the reference. Without the forced failure the same run uses tensor ops."""
+    from lily.engine import Engine
+    monkeypatch.setenv("LILY_METAL_EMU_TENSOR_OPS", "1")
+    if gpu_backend == "metal" and not kernels.device_report()["tensor_ops"]:
+        pytest.skip("this Mac's GPU has no Metal 4 tensor ops to fall back from")
+    ref = Engine.from_pretrained("synthetic:tiny", "reference")
+    ids = [1, 5, 9, 200, 3, 7, 11, 13, 17, 19, 23]
+    a = ref.logits(ids)
+
+    def prefill_kernels(engine):
+        b = engine.logits(ids)
+        assert np.abs(a - b).max() <= 0.05 * np.abs(a).max()
+        assert (a.argmax(1) == b.argmax(1)).mean() >= 0.9
+        return set(engine.counters()["prefill"]["total"]["kernels"])
+
+    capfd.readouterr()
+    with_tensor = prefill_kernels(Engine.from_pretrained("synthetic:tiny", gpu_backend, prefill_chunk=8))
+    assert any("tensor" in k for k in with_tensor), with_tensor
+    assert "warning" not in capfd.readouterr().err
+
+    monkeypatch.setenv("LILY_METAL_FAIL_LIBRARY", DENSE_LIBRARY[gpu_backend] + "@4.0")
+    fallen_back = prefill_kernels(Engine.from_pretrained("synthetic:tiny", gpu_backend, prefill_chunk=8))
+    assert not any("tensor" in k for k in fallen_back), fallen_back
+    assert any(k.startswith("qgemm_") for k in fallen_back), fallen_back
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "tensor ops turned off" in warnings[0] and DENSE_LIBRARY[gpu_backend] in warnings[0], \
+        warnings
+
+
+def test_failed_library_names_its_family(monkeypatch, kernel_device):
+    """A library that fails at every version leaves the others usable and refuses its own kernels, naming the
+    kernel, its family and the failure."""
+    common = COMMON_LIBRARY[kernel_device]
+    monkeypatch.setenv("LILY_METAL_FAIL_LIBRARY", common)
+    report = kernels.device_report()
+    status = {lib["library"]: lib for lib in report["libraries"]}
+    assert "forced to fail" in status[common]["error"] and status[common]["pipelines"] == 0
+    assert all(not lib["error"] and lib["pipelines"] == lib["kernels"] > 0
+               for name, lib in status.items() if name != common), status
+    rng = np.random.default_rng(3)
+    with pytest.raises(RuntimeError, match=r"embed_q8_f32 \(family common\).*forced to fail"):
+        kernels.device_probe(rng.integers(0, 256, (4, 64), dtype=np.uint8), np.ones((4, 1), np.uint16),
+                             np.zeros((4, 1), np.uint16), np.array([1], np.int32), np.ones(64, np.float32), 1e-6)

@@ -27,7 +27,7 @@ import tinymodels as tm
 
 lily = pytest.importorskip("lily")
 _core = pytest.importorskip("lily._core")
-pytestmark = pytest.mark.skipif(not _core.kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("gpu_backend")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import metal_counters as mc  # noqa: E402
@@ -39,7 +39,7 @@ QWEN_GDN, QWEN_ATTN = 30, 10
 
 def _engine(path, **kw):
     kw.setdefault("count_bytes", False)
-    return lily.Engine.from_pretrained(path, backend="metal-emu", **kw)
+    return lily.Engine.from_pretrained(path, backend=tm.GPU_BACKEND, **kw)
 
 
 def _decode_counters(e, prompt, steps=2):
@@ -98,7 +98,7 @@ def test_decode_bytes_near_minimum():
     from lily.checkpoint import read_checkpoint, resolve
     with tempfile.TemporaryDirectory() as tmp:
         ck = read_checkpoint(mc.truncated_model(resolve("synthetic:small"), 4, Path(tmp)))
-        e = lily.Engine(ck, backend="metal-emu", prefill_chunk=200, count_bytes=True)
+        e = lily.Engine(ck, backend=tm.GPU_BACKEND, prefill_chunk=200, count_bytes=True)
         s = e.new_session()
         e.prefill(np.random.default_rng(0).integers(0, 1000, size=200), s)
         e.prefill([5], s)
@@ -202,7 +202,7 @@ def small4():
 
 
 def _step_counters(ck, fusions):
-    e = lily.Engine(ck, backend="metal-emu", prefill_chunk=8, count_bytes=True, fusions=fusions)
+    e = lily.Engine(ck, backend=tm.GPU_BACKEND, prefill_chunk=8, count_bytes=True, fusions=fusions)
     s = e.new_session()
     e.prefill(np.arange(8) + 5, s)
     e.prefill([7], s)

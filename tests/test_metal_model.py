@@ -15,7 +15,7 @@ import tinymodels as tm
 
 lily = pytest.importorskip("lily")
 _core = pytest.importorskip("lily._core")
-pytestmark = pytest.mark.skipif(not _core.kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("gpu_backend")
 
 PREFILL = 40
 DECODE = 10
@@ -64,7 +64,7 @@ def test_logits_within_bf16_noise(geom, kind, twin, ids, ref_logits):
     import torch
     prompt, decode_ids = ids
     ref = np.concatenate(run(engine(geom, kind, "reference"), prompt, decode_ids))
-    emu = np.concatenate(run(engine(geom, kind, "metal-emu"), prompt, decode_ids))
+    emu = np.concatenate(run(engine(geom, kind, tm.GPU_BACKEND), prompt, decode_ids))
     hf32 = np.concatenate(ref_logits(geom, twin, prompt, decode_ids))
     hf16 = np.concatenate(ref_logits(geom, twin, prompt, decode_ids, dtype=torch.bfloat16))
     assert np.all(np.isfinite(emu))
@@ -84,7 +84,7 @@ def test_logits_within_bf16_noise(geom, kind, twin, ids, ref_logits):
 def test_greedy_matches_reference(ids):
     prompt, _ = ids
     want = engine(tm.PEAKED, "mlx_q4_bf16", "reference").generate(prompt, max_tokens=16, temperature=0).token_ids
-    got = engine(tm.PEAKED, "mlx_q4_bf16", "metal-emu").generate(prompt, max_tokens=16, temperature=0).token_ids
+    got = engine(tm.PEAKED, "mlx_q4_bf16", tm.GPU_BACKEND).generate(prompt, max_tokens=16, temperature=0).token_ids
     assert len(want) == 16, want  # no early stop: every step compared
     assert got == want
 
@@ -92,9 +92,9 @@ def test_greedy_matches_reference(ids):
 @pytest.mark.parametrize("kind", ["mlx_q4_bf16", "hf_bf16"])
 def test_prefill_chunking_invariance(kind, ids):
     prompt, decode_ids = ids
-    whole_pre, whole_dec = run(engine(tm.BASE, kind, "metal-emu"), prompt, decode_ids[:2])
-    chunked_pre, chunked_dec = run(engine(tm.BASE, kind, "metal-emu", prefill_chunk=7), prompt, decode_ids[:2])
-    e = engine(tm.BASE, kind, "metal-emu")
+    whole_pre, whole_dec = run(engine(tm.BASE, kind, tm.GPU_BACKEND), prompt, decode_ids[:2])
+    chunked_pre, chunked_dec = run(engine(tm.BASE, kind, tm.GPU_BACKEND, prefill_chunk=7), prompt, decode_ids[:2])
+    e = engine(tm.BASE, kind, tm.GPU_BACKEND)
     s = e.new_session()
     split_pre = np.concatenate([e.logits(prompt[:17], s), e.logits(prompt[17:], s)])
     split_dec = np.concatenate([e.logits([t], s) for t in decode_ids[:2]])
@@ -108,7 +108,7 @@ def test_prefill_chunking_invariance(kind, ids):
 
 def test_decode_counters(ids):
     prompt, decode_ids = ids
-    e = engine(tm.BASE, "mlx_q4_bf16", "metal-emu", count_bytes=True)
+    e = engine(tm.BASE, "mlx_q4_bf16", tm.GPU_BACKEND, count_bytes=True)
     s = e.new_session()
     e.logits(prompt[:8], s)
     before = e.counters()["decode"]["total"]["cpu_waits"] if e.counters().get("decode") else 0
@@ -141,7 +141,7 @@ def test_greedy_token_stays_on_the_device(ids):
     the CPU waits once per step (to stream the token, while the next step is already queued: tests/test_pipeline.py)
     and reads no logits."""
     prompt, _ = ids
-    e = engine(tm.PEAKED, "mlx_q4_bf16", "metal-emu")
+    e = engine(tm.PEAKED, "mlx_q4_bf16", tm.GPU_BACKEND)
     steps = 6
     before = e.counters()
     out = e.generate(prompt, max_tokens=steps + 1, temperature=0)
@@ -215,7 +215,7 @@ def test_logits_within_bf16_noise_up_to_routing_ties(ids, ref_logits):
     prompt, decode_ids = ids
     seq = list(prompt) + list(decode_ids)
     ref = np.concatenate(run(engine(geom, kind, "reference"), prompt, decode_ids))
-    emu = np.concatenate(run(engine(geom, kind, "metal-emu"), prompt, decode_ids))
+    emu = np.concatenate(run(engine(geom, kind, tm.GPU_BACKEND), prompt, decode_ids))
     hf32 = np.concatenate(ref_logits(geom, twin, prompt, decode_ids))
     hf16 = np.concatenate(ref_logits(geom, twin, prompt, decode_ids, dtype=torch.bfloat16))
     path = tm.get_model(geom, twin)
@@ -265,7 +265,7 @@ def test_kv_growth_keeps_the_cache_on_the_device():
     prefills in chunks without reading anything between them, so its one drained wait is for the first token."""
     rng = np.random.default_rng(5)
     prompt = [int(t) for t in rng.integers(0, tm.N_BPE, 300)]
-    e = engine(tm.BASE, "mlx_q4_bf16", "metal-emu")
+    e = engine(tm.BASE, "mlx_q4_bf16", tm.GPU_BACKEND)
     whole = e.logits(prompt, e.new_session())
     s = e.new_session()
     e.logits(prompt[:250], s)
@@ -278,7 +278,7 @@ def test_kv_growth_keeps_the_cache_on_the_device():
     np.testing.assert_allclose(grown, whole[250:], rtol=0, atol=2e-2 * scale)
     assert stats(grown, whole[250:])[1] < 5e-3
 
-    chunked = engine(tm.BASE, "mlx_q4_bf16", "metal-emu", prefill_chunk=128)  # chunks end at 128, 256, 300
+    chunked = engine(tm.BASE, "mlx_q4_bf16", tm.GPU_BACKEND, prefill_chunk=128)  # chunks end at 128, 256, 300
     before = chunked.counters().get("prefill", {}).get("total", {})
     chunked.generate(prompt, max_tokens=1)
     after = chunked.counters()["prefill"]["total"]
@@ -299,7 +299,7 @@ def test_tensor_ops_prefill(tile, ids, monkeypatch):
     logits, kernels = {}, {}
     for on in (False, True):
         monkeypatch.setenv("LILY_METAL_EMU_TENSOR_OPS", "1" if on else "0")
-        e = lily.Engine.from_pretrained(tm.get_model(tm.INTERVAL2, "mlx_q4_bf16"), backend="metal-emu",
+        e = lily.Engine.from_pretrained(tm.get_model(tm.INTERVAL2, "mlx_q4_bf16"), backend=tm.GPU_BACKEND,
                                         count_bytes=False, metal_options={"moe_tile_rows": tile})
         logits[on] = e.logits(prompt, e.new_session())
         kernels[on] = e.counters()["prefill"]["total"]["kernels"]

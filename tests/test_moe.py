@@ -1,5 +1,5 @@
 """The MoE family (metal/moe.metal through csrc/backends/metal/moe.cpp) on the emulated device against
-tests/reference/moe.py: routing (softmax, top-k with ties -> lower index, renormalisation), the GPU-built
+lily/kernel_reference/moe.py: routing (softmax, top-k with ties -> lower index, renormalisation), the GPU-built
 grouping (histogram, offsets, block map, scatter) checked exactly, the prefill grouped GEMMs with both tile
 heights (bitwise equal) and both matrix paths (simdgroup_matrix, and Metal 4 matmul2d through the emulator's
 tensor shim: selected by the device's tensor ops or forced), decode's fused GEMVs and their unfused ablations
@@ -14,86 +14,18 @@ import sys
 import numpy as np
 import pytest
 
-from reference import dense as dref
-from reference import moe as ref
+from lily.kernel_reference import common as cref
+from lily.kernel_reference import dense as dref
+from lily.kernel_reference import moe as ref
 
 kernels = pytest.importorskip("lily._core").kernels
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 PAGE = 4096
-BITS = {"q4": 4, "q8": 8, "bf16": 0}
 
 
-def stacked(rng, E, rows, cols, bits, scale):
-    """E matrices [rows, cols] stacked as one tensor [E * rows, ...]: (codes u8, scales, biases, W f32 [E, rows, cols])."""
-    ws, ss, bs, Ws = [], [], [], []
-    for _ in range(E):
-        w, s, b, W = dref.random_matrix(rng, rows, cols, bits)
-        ws.append(w), ss.append(s), bs.append(b), Ws.append(W * np.float32(scale))
-        if bits:  # scale the affine parameters the same way (exact in bf16: scale is a power of two)
-            ss[-1] = dref.bf16_bits(dref.bf16_float(s) * np.float32(scale))
-            bs[-1] = dref.bf16_bits(dref.bf16_float(b) * np.float32(scale))
-        else:
-            ws[-1] = dref.bf16_bits(W * np.float32(scale)).view(np.uint8).reshape(rows, -1)
-    cat = lambda a: np.ascontiguousarray(np.concatenate(a)) if a[0].size else a[0]
-    return cat(ws), cat(ss), cat(bs), np.stack(Ws)
-
-
-def make_layer(seed, H, E, I, Is, fmt="q4", router_fmt="q8", fused=False):
-    """Random MoE weights: (mats for kernels.moe, f32 matrices for the reference)."""
-    rng = np.random.default_rng(seed)
-    bits, rbits = BITS[fmt], BITS[router_fmt]
-    # 1/4 and 1/8 keep activations O(1) through SwiGLU at these widths.
-    if fused:
-        gu = stacked(rng, E, 2 * I, H, bits, 0.25)
-        gate = (bits, E, I, H, 2 * I, 0, gu[0], gu[1], gu[2])
-        up = (bits, E, I, H, 2 * I, I, gu[0], gu[1], gu[2])
-        Wg, Wu = gu[3][:, :I], gu[3][:, I:]
-    else:
-        g, u = stacked(rng, E, I, H, bits, 0.25), stacked(rng, E, I, H, bits, 0.25)
-        gate, up = (bits, E, I, H, I, 0, *g[:3]), (bits, E, I, H, I, 0, *u[:3])
-        Wg, Wu = g[3], u[3]
-    d = stacked(rng, E, H, I, bits, 0.125)
-    r = stacked(rng, 1, E, H, rbits, 0.25)
-    sg, su, sd = (stacked(rng, 1, Is, H, bits, 0.25), stacked(rng, 1, Is, H, bits, 0.25),
-                  stacked(rng, 1, H, Is, bits, 0.125))
-    sgate = stacked(rng, 1, 1, H, rbits, 0.125)
-    mats = [(rbits, 0, E, H, E, 0, *r[:3]), gate, up, (bits, E, H, I, H, 0, *d[:3]),
-            (bits, 0, Is, H, Is, 0, *sg[:3]), (bits, 0, Is, H, Is, 0, *su[:3]), (bits, 0, H, Is, H, 0, *sd[:3]),
-            (rbits, 0, 1, H, 1, 0, *sgate[:3])]
-    f32 = dict(R=r[3][0], Wg=Wg, Wu=Wu, Wd=d[3], Sg=sg[3][0], Su=su[3][0], Sd=sd[3][0], sgate=sgate[3][0])
-    return mats, f32
-
-
-def inputs(seed, T, H):
-    rng = np.random.default_rng(seed + 1000)
-    xn = dref.bf16_bits(rng.standard_normal((T, H)).astype(np.float32))
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    return xn, x
-
-
-def random_routes(rng, T, E, k):
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
-    w = rng.random((T, k)).astype(np.float32) + np.float32(0.05)
-    return ids, (w / w.sum(1, keepdims=True)).astype(np.float32)
-
-
-def call(mode, mats, E, k, H, I, Is, xn, x, ids=None, w=None, tile=0, order=0, seed=0, skew=0, tensor_ops=False,
-         path="auto", **fuse):
-    T = xn.shape[0]
-    ids = np.zeros((T, k), np.int32) if ids is None else np.ascontiguousarray(ids, np.int32)
-    w = np.zeros((T, k), np.float32) if w is None else np.ascontiguousarray(w, np.float32)
-    return kernels.moe(mode, mats, E, k, H, I, Is, xn, x, ids, w, tile_rows=tile, order=order, seed=seed,
-                       weight_skew=skew, tensor_ops=tensor_ops, path=path, **fuse)
-
-
-def check_close(got, want, rel=3e-3):
-    """Errors relative to the output's scale: fp32 accumulation in another order, and the bf16 rounding of
-    h that can land one ulp apart. A wrong expert, weight or missing term is an O(1) error."""
-    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
-    err = np.abs(got.astype(np.float64) - want)
-    scale = np.abs(want).max()
-    assert err.max() <= rel * scale, f"max err {err.max()} (scale {scale}) at {np.unravel_index(err.argmax(), err.shape)}"
+from lily.kernel_reference.moe import (BITS, call, check_close, inputs, make_layer,  # noqa: E402,F401
+                                        random_routes, stacked)
 
 
 def check_grouping(r, ids, w, E, k):
@@ -388,3 +320,29 @@ def test_schedules_agree_bitwise():
     outs = [call("prefill", mats, E, k, H, I, Is, xn, x, ids, w, order=o, seed=o + 3)["x"] for o in (0, 1, 2)]
     for o in outs[1:]:
         np.testing.assert_array_equal(outs[0], o)
+
+
+# The production decode path: the norm, router logits and shared gate logit in one proj_norm dispatch, then the
+# gate/up GEMV that recomputes the top-k from those logits (moe_gemv_gate_up_topk_*), down + combine.
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("fmt,k", [("q4", 8), ("q8", 4), ("bf16", 2)])
+def test_decode_norm_topk(fmt, k, order):
+    H, E, I, Is = 256, 16, 128, 64
+    mats, f = make_layer(41 + k, H, E, I, Is, fmt=fmt)
+    rng = np.random.default_rng(k + 7 * order)
+    x = (rng.standard_normal((1, H)) * 2 + 0.1).astype(np.float32)
+    norm_w = (1 + 0.3 * rng.standard_normal(H)).astype(np.float32)
+    r = kernels.moe_decode_norm(mats, E, k, H, I, Is, x[0], norm_w, 1e-6, order=order, seed=order + 1)
+    np.testing.assert_allclose(dref.bf16_float(r["xn"]), cref.rmsnorm(x, norm_w, 1e-6), rtol=2.0**-8, atol=1e-30)
+    # The router logits of the kernel's xn (fp32 accumulation in another order than NumPy's fp64).
+    logits = ref.router_logits(r["xn"], f["R"])
+    np.testing.assert_allclose(r["logits"], logits, rtol=1e-5, atol=1e-5 * np.abs(logits).max())
+    # The top-k the fused GEMV recomputed: the reference's on the kernel's own logits, ids exact.
+    ids, w = ref.route(r["logits"], k)
+    np.testing.assert_array_equal(np.sort(r["ids"], axis=1), np.sort(ids, axis=1))
+    order_ids = np.argsort(r["ids"][0])
+    np.testing.assert_allclose(r["weights"][0][order_ids], w[0][np.argsort(ids[0])], rtol=1e-6, atol=1e-7)
+    check_close(r["x"], ref.moe(r["xn"], x, ids, w, f, round_weights=False), rel=1e-3)
+    kernel_names = set(r["counters"]["kernels"])
+    assert any(n.startswith("moe_gemv_gate_up_topk_") for n in kernel_names), kernel_names
+    assert any(n.startswith("proj_norm_") for n in kernel_names), kernel_names

@@ -18,7 +18,7 @@ import tinymodels as tm
 
 lily = pytest.importorskip("lily")
 _core = pytest.importorskip("lily._core")
-pytestmark = pytest.mark.skipif(not _core.kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("gpu_backend")
 
 GEOM, KIND = tm.PEAKED, "mlx_q4_bf16"
 _ENGINES: dict = {}
@@ -26,7 +26,7 @@ _ENGINES: dict = {}
 
 def engine_for(geom, pipeline=True):
     if (geom, pipeline) not in _ENGINES:
-        _ENGINES[geom, pipeline] = lily.Engine.from_pretrained(tm.get_model(geom, KIND), backend="metal-emu",
+        _ENGINES[geom, pipeline] = lily.Engine.from_pretrained(tm.get_model(geom, KIND), backend=tm.GPU_BACKEND,
                                                                count_bytes=False, metal_options={"pipeline": pipeline})
     return _ENGINES[geom, pipeline]
 
@@ -177,7 +177,7 @@ def test_logprobs_come_from_each_steps_own_logits_row(prompt):
 def test_a_cancel_flag_stops_the_prompt_between_chunks():
     """CancelFlag.set() from another thread (a server whose client went away) stops a long prompt before its next
     prefill chunk: Cancelled is raised, and the session holds exactly the chunks that ran."""
-    e = lily.Engine.from_pretrained(tm.get_model(tm.BASE, KIND), backend="metal-emu", count_bytes=False,
+    e = lily.Engine.from_pretrained(tm.get_model(tm.BASE, KIND), backend=tm.GPU_BACKEND, count_bytes=False,
                                     prefill_chunk=4)
     ids = np.random.default_rng(9).integers(0, e.config.vocab_size, 400).astype(np.int32)
     flag = lily.CancelFlag()

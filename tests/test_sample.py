@@ -13,7 +13,7 @@ import pytest
 from lily import _core
 
 kernels = _core.kernels
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="emulated Metal kernel library not built")
+pytestmark = pytest.mark.usefixtures("kernel_device")
 
 ORDERS = [0, 1, 2]  # forward, reverse, random
 VOCABS = [5, 1000, 3001, 20011]  # tiny, below one pass of 1024 threads, odd non-multiples of 1024

@@ -153,16 +153,16 @@ def test_ten_turn_conversation_saving(engine):
     assert with_sessions < 0.5 * without
 
 
-def test_metal_session_survives_a_restart(tmp_path):
+def test_metal_session_survives_a_restart(tmp_path, gpu_backend):
     """The Metal backend's state (bf16 KV cache, f32 conv/recurrent state) saves and loads through the same
     session file; a fresh engine continues exactly where the saved one would have, without re-prefilling, and
     a file saved by another backend is refused (its fingerprint names the backend)."""
     kw = dict(max_tokens=10, temperature=0, enable_thinking=False)
-    e = lily.Engine.from_pretrained("synthetic:tiny", backend="metal-emu", count_bytes=False)
+    e = lily.Engine.from_pretrained("synthetic:tiny", backend=gpu_backend, count_bytes=False)
     s = e.new_session()
     msgs, _ = chat(e, 2, s)
     path = s.save(tmp_path / "m.lily")
-    e2 = lily.Engine.from_pretrained("synthetic:tiny", backend="metal-emu", count_bytes=False)
+    e2 = lily.Engine.from_pretrained("synthetic:tiny", backend=gpu_backend, count_bytes=False)
     s2 = lily.Session.load(path, e2)
     nxt = msgs + [user(5)]
     a = e.generate(nxt, session=s, **kw)

@@ -943,3 +943,8 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         p = get_model(GEOMETRIES[n], "hf_bf16")
         print(f"{n:8s} {time.perf_counter() - t0:6.2f}s {p}")
+
+
+# The GPU backend the backend-generic tests run on (conftest.py's gpu_backend fixture skips when it cannot run):
+# the MSL emulator by default; LILY_TEST_BACKEND=metal on a Mac, cuda on an NVIDIA machine.
+GPU_BACKEND = os.environ.get("LILY_TEST_BACKEND", "metal-emu")

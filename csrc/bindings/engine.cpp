@@ -16,6 +16,9 @@
 
 #include "../backends/metal/metal_backend.h"
 #include "../backends/reference/reference.h"
+#ifdef LILY_HAVE_CUDA
+#include "../backends/cuda/cuda_backend.h"
+#endif
 #include "kernels.h"
 
 namespace nb = nanobind;
@@ -73,6 +76,15 @@ static Fusions fusions_of(const nb::dict& d) {
   return f;
 }
 
+// Why backend "cuda" cannot run here, or "" when it can.
+static std::string cuda_unavailable() {
+#ifdef LILY_HAVE_CUDA
+  return cuda::unavailable_reason();
+#else
+  return "no CUDA device support in this build (lily._core was built without nvcc)";
+#endif
+}
+
 static std::unique_ptr<Backend> make_backend(const std::string& name, const Model& model, int max_rows, int threads,
                                              const std::string& library, bool count_bytes,
                                              const metal::MetalOptions& options) {
@@ -90,10 +102,17 @@ static std::unique_ptr<Backend> make_backend(const std::string& name, const Mode
     throw std::invalid_argument("[engine] backend 'metal' needs macOS on Apple silicon; use 'metal-emu' to run the "
                                 "same kernels in the emulator");
 #endif
-  throw std::invalid_argument("[engine] unknown backend '" + name + "' (available: reference, metal-emu, metal)");
+  if (name == "cuda") {
+    if (const std::string why = cuda_unavailable(); !why.empty()) throw std::invalid_argument("[engine] backend 'cuda': " + why);
+#ifdef LILY_HAVE_CUDA
+    return cuda::make_cuda_backend(model, max_rows);
+#endif
+  }
+  throw std::invalid_argument("[engine] unknown backend '" + name + "' (available: reference, metal-emu, metal, cuda)");
 }
 
 void init_engine(nb::module_& m) {
+  m.def("cuda_unavailable", &cuda_unavailable, "Why backend 'cuda' cannot run here, or '' when it can");
   nb::enum_<DType>(m, "DType").value("f32", DType::f32).value("bf16", DType::bf16).value("f16", DType::f16).value("u32", DType::u32);
 
   nb::class_<ModelConfig>(m, "ModelConfig")

@@ -53,6 +53,24 @@ GemmPath gemm_path(const std::string& name) {
   throw std::invalid_argument("[kernels] path: 'auto', 'simdgroup' or 'tensor', got '" + name + "'");
 }
 
+namespace {
+std::string& device_setting() {
+  static std::string device = "metal-emu";
+  return device;
+}
+}  // namespace
+
+const std::string& kernel_device() { return device_setting(); }
+
+std::unique_ptr<Device> make_kernel_device(const EmuOptions& options) {
+  if (kernel_device() == "metal-emu") return make_emu_device(emu_library_path(), options);
+#ifdef __APPLE__
+  return make_metal_device();
+#else
+  throw std::invalid_argument("[kernels] device 'metal' needs macOS on Apple silicon");
+#endif
+}
+
 KernelRun::KernelRun(int order, uint64_t seed, int workers, bool count_bytes, int tensor_ops, uint32_t max_threads) {
   EmuOptions o;
   o.max_threads = max_threads;
@@ -61,7 +79,7 @@ KernelRun::KernelRun(int order, uint64_t seed, int workers, bool count_bytes, in
   o.seed = seed;
   o.workers = workers;
   o.count_bytes = count_bytes;
-  device_ = make_emu_device(emu_library_path(), o);
+  device_ = make_kernel_device(o);
 }
 
 Buffer* KernelRun::alloc(uint64_t bytes, Role role, const std::string& label, int fill) {
@@ -141,6 +159,43 @@ void init_kernels(nb::module_& k) {
           return run.device().name();
         },
         nb::arg("order") = 0, nb::arg("seed") = 0, "Creates an EmuDevice (checks every kernels.def row exists).");
+  k.def("set_device",
+        [](const std::string& device) {
+          if (device != "metal-emu" && device != "metal")
+            throw std::invalid_argument("[kernels] device: 'metal-emu' or 'metal', got '" + device + "'");
+          device_setting() = device;
+        },
+        nb::arg("device"), "Chooses the device every kernel entry point runs on: 'metal-emu' (default) or 'metal'.");
+  k.def("device", &kernel_device, "The device kernel entry points run on (set_device).");
+  k.def("device_report",
+        [](int tensor_ops) {
+          // A fresh device, as a backend makes one: its facts, then every library compiled and pipeline built.
+          EmuOptions o;
+          o.tensor_ops = tensor_ops;
+          auto dev = make_kernel_device(o);
+          std::vector<nb::dict> libraries;
+          for (const LibraryStatus& st : dev->build_libraries()) {
+            nb::dict l;
+            l["library"] = st.library;
+            l["msl_version"] = st.msl_version;
+            l["families"] = st.families;
+            l["kernels"] = st.kernels;
+            l["pipelines"] = st.pipelines;
+            l["error"] = st.error;
+            libraries.push_back(l);
+          }
+          const DeviceFacts f = dev->facts();
+          nb::dict d;
+          d["name"] = f.name, d["gpu"] = f.gpu, d["gpu_family"] = f.gpu_family, d["msl_version"] = f.msl_version;
+          d["os"] = f.os, d["bf16"] = f.bf16, d["tensor_ops"] = f.tensor_ops;
+          d["working_set"] = f.working_set, d["max_buffer"] = f.max_buffer, d["wired_limit"] = f.wired_limit;
+          d["libraries"] = libraries;
+          return d;
+        },
+        nb::arg("tensor_ops") = -1,
+        "Facts of a new device of kernels.device() and the status of each kernel library: {name, gpu, gpu_family, "
+        "msl_version, os, bf16, tensor_ops, working_set, max_buffer, wired_limit, libraries: [{library, "
+        "msl_version, families, kernels, pipelines, error}]}. tensor_ops: EmuOptions::tensor_ops (metal-emu).");
   k.def("embedded_sources",
         []() {
           std::vector<std::pair<std::string, std::string>> files;

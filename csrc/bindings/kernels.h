@@ -1,5 +1,6 @@
 // The shared test harness of the Metal encoders: each csrc/bindings/kernels_<family>.cpp entry point makes a
-// KernelRun (an EmuDevice running lily/_metal_emu.so under the schedule the test asks for), uploads its
+// KernelRun (on the device kernels.set_device chose: an EmuDevice running lily/_metal_emu.so under the
+// schedule the test asks for, or on a Mac the real MetalDevice, where order and seed mean nothing), uploads its
 // numpy inputs, encodes its family's encoder(s) into one command buffer, and returns numpy outputs plus the
 // Counters. Previous hop: tests/test_<family>.py; next hop: the encoders (csrc/backends/metal/<family>.cpp).
 //
@@ -28,6 +29,10 @@ namespace lily::metal {
 std::string emu_library_path();
 // Host names in an emulated library (device_emu.cpp), sorted.
 std::vector<std::string> emu_library_kernels(const std::string& library);
+// The device KernelRun makes: "metal-emu" (default) or "metal" (kernels.set_device).
+const std::string& kernel_device();
+// A new device of that kind; the EmuOptions apply to metal-emu only.
+std::unique_ptr<Device> make_kernel_device(const EmuOptions& options);
 // Counters as {"dispatches", "stages", "cpu_waits", "command_buffers", "bytes_read": {role: n},
 // "bytes_written": {role: n}, "kernels": {name: n}}; `label` names a kernel index (default: metal's KernelId).
 nanobind::dict counters_dict(const Counters& c, const std::function<const char*(gpu::KernelIndex)>& label = {});

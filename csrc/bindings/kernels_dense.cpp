@@ -1,8 +1,12 @@
-// Test entry points of the dense family (csrc/backends/metal/dense.cpp): encode_project on an EmuDevice.
-// Previous hop: tests/test_dense.py; next hop: encode_project (qgemv for T == 1, qgemm for T > 1).
+// Test entry points of the dense family (csrc/backends/metal/dense.cpp): encode_project, and of the proj family
+// (proj.cpp): encode_norm_project, decode's RMSNorm fused into up to four projections. Previous hop:
+// tests/test_dense.py, tests/test_proj.py; next hop: encode_project (qgemv for T == 1, qgemm for T > 1),
+// encode_norm_project (proj_norm_bf16 / proj_norm_f32).
 #include "kernels.h"
 
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
@@ -63,4 +67,44 @@ void init_kernels_dense(nb::module_& k) {
       "'simdgroup' or 'tensor' (forced; needs tensor_ops). dequant: q4/q8 W is first dequantised into a bf16 "
       "copy (encode_dequant, the dequant ablation) that the bf16 kernels read. Returns {'out', "
       "'matrix_bytes', 'counters'} (and 'w_bf16', the copy, with dequant).");
+  using Matrix = std::tuple<int, int, HostArray<uint8_t>, HostArray<uint16_t>, HostArray<uint16_t>>;  // bits, rows, codes, scales, biases
+  k.def(
+      "norm_project",
+      [](const HostArray<float>& x, const HostArray<float>& norm_w, float eps, const std::vector<Matrix>& mats,
+         bool f32_out, bool write_xn, int order, uint64_t seed, uint64_t weight_skew) {
+        const int H = int(norm_w.shape(0));
+        if (x.ndim() != 1 || int(x.shape(0)) != H) throw std::invalid_argument("[kernels] x must be f32 [H], as norm_w");
+        KernelRun run(order, seed);
+        std::vector<DeviceMatrix> W;
+        for (const auto& [bits, rows, w, s, b] : mats) W.push_back(upload_matrix(run, w, s, b, bits, rows, H, weight_skew));
+        Buffer* bx = run.upload(x, Role::activations, "x");
+        Buffer* bw = run.upload(norm_w, Role::weights, "norm");
+        std::vector<Buffer*> outs;
+        std::vector<ProjTarget> targets;
+        for (const DeviceMatrix& m : W) {
+          outs.push_back(run.alloc(uint64_t(m.rows) * (f32_out ? 4 : 2), Role::activations, "out"));
+          targets.push_back({&m, {outs.back()}});
+        }
+        Buffer* xn = write_xn ? run.alloc(uint64_t(H) * 2, Role::activations, "xn") : nullptr;
+        run.device().reset_counters();  // the dispatch only, not the uploads
+        run.encode([&](Encoder& enc) {
+          encode_norm_project(enc, {bx}, DeviceVec{bw, 0, H}, eps, H, targets.data(), int(targets.size()), f32_out,
+                              xn ? View{xn} : View{});
+        });
+        nb::dict d;
+        nb::list out;
+        for (size_t i = 0; i < W.size(); ++i) {
+          if (f32_out) out.append(run.download<float>(outs[i], {size_t(W[i].rows)}));
+          else out.append(run.download<uint16_t>(outs[i], {size_t(W[i].rows)}));
+        }
+        d["out"] = out;
+        if (xn) d["xn"] = run.download<uint16_t>(xn, {size_t(H)});
+        d["counters"] = run.counters();
+        return d;
+      },
+      nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("mats"), nb::arg("f32_out") = false,
+      nb::arg("write_xn") = true, nb::arg("order") = 0, nb::arg("seed") = 0, nb::arg("weight_skew") = 0,
+      "Decode's fused norm + projections (encode_norm_project): out_m = W_m . bf16(RMSNorm(x) * norm_w) for 1..4 "
+      "mats (bits, rows, codes uint8, scales uint16, biases uint16) of H = len(norm_w) columns, in one dispatch. "
+      "Returns {'out': [bf16 bits (uint16) or f32 [rows_m]], 'xn': the normed row bf16 [H] (write_xn), 'counters'}.");
 }

@@ -72,18 +72,74 @@ DeviceMatrix make_matrix(Uploader& up, const MatrixSpec& spec, const char* name)
   return M;
 }
 
+MoeDevice make_moe(Uploader& up, const std::vector<MatrixSpec>& mats, int experts, int top_k, int hidden, int inter,
+                   int shared_inter) {
+  if (mats.size() != 8)
+    throw std::invalid_argument("[kernels.moe] mats: router, gate, up, down, shared_gate_proj, shared_up, "
+                                "shared_down, shared_gate");
+  MoeDevice M;
+  M.router = make_matrix(up, mats[0], "router");
+  M.gate = make_matrix(up, mats[1], "gate");
+  M.up = make_matrix(up, mats[2], "up");
+  M.down = make_matrix(up, mats[3], "down");
+  M.shared_gate_proj = make_matrix(up, mats[4], "shared_gate_proj");
+  M.shared_up = make_matrix(up, mats[5], "shared_up");
+  M.shared_down = make_matrix(up, mats[6], "shared_down");
+  M.shared_gate = make_matrix(up, mats[7], "shared_gate");
+  M.hidden = hidden;
+  M.experts = experts;
+  M.top_k = top_k;
+  M.inter = inter;
+  M.shared_inter = shared_inter;
+  return M;
+}
+
 }  // namespace
 
 void init_kernels_moe(nb::module_& k) {
+  k.def(
+      "moe_decode_norm",
+      [](const std::vector<MatrixSpec>& mats, int experts, int top_k, int hidden, int inter, int shared_inter,
+         const HostArray<float>& x, const HostArray<float>& norm_w, float eps, int order, uint64_t seed) {
+        // Production decode: the norm, router logits and shared gate logit in one proj_norm dispatch, then the
+        // gate/up GEMV that recomputes the top-k itself (moe_gemv_gate_up_topk_*), then down + combine.
+        if (x.nbytes() != uint64_t(hidden) * 4 || norm_w.nbytes() != uint64_t(hidden) * 4)
+          throw std::invalid_argument("[kernels.moe_decode_norm] x and norm_w must be f32 [H]");
+        KernelRun run(order, seed);
+        Uploader up{run, 0, {}};
+        const MoeDevice M = make_moe(up, mats, experts, top_k, hidden, inter, shared_inter);
+        auto scratch = make_moe_scratch(run.device(), M, 1);
+        Buffer* bx = run.upload(x, Role::activations, "x");
+        Buffer* bw = run.upload(norm_w, Role::weights, "norm");
+        Buffer* xn = run.alloc(uint64_t(hidden) * 2, Role::activations, "xn");
+        Buffer* ids = run.alloc(uint64_t(top_k) * 4, Role::activations, "ids");
+        Buffer* weights = run.alloc(uint64_t(top_k) * 4, Role::activations, "weights");
+        run.device().reset_counters();
+        run.encode([&](Encoder& enc) {
+          encode_moe_route_norm(enc, *scratch, M, {bx}, DeviceVec{bw, 0, hidden}, eps, {xn});
+          encode_moe_decode(enc, *scratch, M, {xn}, {ids}, {weights}, {bx}, {.topk = true});
+        });
+        nb::dict d;
+        d["x"] = run.download<float>(bx, {1, size_t(hidden)});
+        d["xn"] = run.download<uint16_t>(xn, {1, size_t(hidden)});
+        d["ids"] = run.download<int32_t>(ids, {1, size_t(top_k)});
+        d["weights"] = run.download<float>(weights, {1, size_t(top_k)});
+        d["logits"] = run.download<float>(scratch->logits.get(), {1, size_t(experts)});
+        d["counters"] = run.counters();
+        return d;
+      },
+      nb::arg("mats"), nb::arg("experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("inter"),
+      nb::arg("shared_inter"), nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("order") = 0,
+      nb::arg("seed") = 0,
+      "One production decode MoE step: x += MoE(bf16(RMSNorm(x) * norm_w)) with the router's top-k recomputed "
+      "inside the fused gate/up GEMV (encode_moe_route_norm, then encode_moe_decode with topk). mats as for moe. "
+      "Returns {'x', 'xn', 'ids', 'weights', 'logits', 'counters'}.");
   k.def(
       "moe",
       [](const std::string& mode, const std::vector<MatrixSpec>& mats, int experts, int top_k, int hidden, int inter,
          int shared_inter, const HostArray<uint16_t>& xn, const HostArray<float>& x, const HostArray<int32_t>& ids_in,
          const HostArray<float>& weights_in, int tile_rows, int order, uint64_t seed, uint64_t weight_skew,
          bool tensor_ops, const std::string& path, bool fuse_swiglu, bool fuse_combine) {
-        if (mats.size() != 8)
-          throw std::invalid_argument("[kernels.moe] mats: router, gate, up, down, shared_gate_proj, shared_up, "
-                                      "shared_down, shared_gate");
         if (mode != "route" && mode != "prefill" && mode != "decode" && mode != "layer")
           throw std::invalid_argument("[kernels.moe] mode must be route, prefill, decode or layer");
         const int T = int(xn.shape(0));
@@ -91,20 +147,7 @@ void init_kernels_moe(nb::module_& k) {
         const GemmPath gpath = gemm_path(path);
         KernelRun run(order, seed, 0, true, tensor_ops ? 1 : 0);
         Uploader up{run, weight_skew, {}};
-        MoeDevice M;
-        M.router = make_matrix(up, mats[0], "router");
-        M.gate = make_matrix(up, mats[1], "gate");
-        M.up = make_matrix(up, mats[2], "up");
-        M.down = make_matrix(up, mats[3], "down");
-        M.shared_gate_proj = make_matrix(up, mats[4], "shared_gate_proj");
-        M.shared_up = make_matrix(up, mats[5], "shared_up");
-        M.shared_down = make_matrix(up, mats[6], "shared_down");
-        M.shared_gate = make_matrix(up, mats[7], "shared_gate");
-        M.hidden = hidden;
-        M.experts = experts;
-        M.top_k = top_k;
-        M.inter = inter;
-        M.shared_inter = shared_inter;
+        const MoeDevice M = make_moe(up, mats, experts, top_k, hidden, inter, shared_inter);
         auto scratch = make_moe_scratch(run.device(), M, T);
         Buffer* bxn = run.upload(xn, Role::activations, "xn");
         const uint64_t tk = uint64_t(T) * top_k;

@@ -276,6 +276,13 @@ Each turn prefills only the new message (the answers stay in the history as gene
     c.add_argument("out")
     c.add_argument("--bits", type=int, choices=[4, 8], default=4)
     c.set_defaults(func=cmd_convert)
+    d = sub.add_parser("doctor", help="check this machine's GPU path: kernel libraries, each kernel family, a model",
+                       formatter_class=ex, epilog="""examples:
+  lily doctor                      # the Metal GPU on a Mac, the MSL emulator elsewhere
+  lily doctor --backend metal-emu""")
+    d.add_argument("--backend", choices=["metal", "metal-emu"], help="default: metal on macOS, else metal-emu")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random kernel inputs")
+    d.set_defaults(func=lambda a: __import__("lily.doctor", fromlist=["doctor"]).doctor(a.backend, a.seed))
     from .bench import add_bench_parser
     from .evaluate import add_eval_parser
     from .server import add_serve_parser

@@ -30,7 +30,7 @@ from .checkpoint import Checkpoint, CheckpointError, Qwen36Config, read_checkpoi
 from .session import GeneratedTurns, Session, answer_ids
 from .tokenizer import Tokenizer
 
-BACKENDS = ("reference", "metal-emu", "metal")
+BACKENDS = ("reference", "metal-emu", "metal", "cuda")
 
 
 def backend_unavailable(backend: str) -> str | None:
@@ -43,6 +43,8 @@ def backend_unavailable(backend: str) -> str | None:
                 "libboost-context-dev), then pip install . again")
     if backend == "metal" and sys.platform != "darwin":
         return "needs macOS on Apple silicon (metal-emu runs the same kernels in the emulator)"
+    if backend == "cuda":
+        return _core.cuda_unavailable() or None
     return None
 
 

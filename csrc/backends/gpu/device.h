@@ -166,6 +166,9 @@ class Device {
   // A buffer over existing memory (mmap'd weights) without copying where the platform allows.
   virtual std::shared_ptr<Buffer> wrap(const void* data, uint64_t bytes, Role role, const std::string& label) = 0;
   virtual std::unique_ptr<CommandBuffer> new_command_buffer() = 0;
+  // Called before the weights are mapped with what the model will hold (the KV cache at `context` tokens):
+  // MetalDevice compares it with the GPU's working-set limit and says what will happen and the remedy.
+  virtual void plan_memory(uint64_t /*weight_bytes*/, uint64_t /*kv_bytes*/, uint64_t /*context*/) {}
 
  protected:
   void count(const Counters& c);

@@ -32,6 +32,11 @@ struct GpuBackend::GpuState final : State {
 GpuBackend::GpuBackend(const Model& model, std::unique_ptr<Device> device, int max_rows, bool pipeline)
     : m_(model), c_(model.config()), dev_(std::move(device)), rows_(max_rows), pipeline_(pipeline) {
   if (max_rows <= 0) throw std::invalid_argument(tag() + " max_rows must be positive");
+  uint64_t weight_bytes = 0, kv_row_bytes = 0;  // what the GPU will hold: weights, KV bytes per position
+  for (const auto& f : model.files()) weight_bytes += f->size();
+  for (int i = 0; i < c_.layers; ++i)
+    if (c_.is_attention(i)) kv_row_bytes += 2ull * c_.n_kv * c_.head_dim * 2;
+  dev_->plan_memory(weight_bytes, kv_row_bytes * uint64_t(c_.max_position), uint64_t(c_.max_position));
   for (const auto& f : model.files()) files_.push_back(dev_->wrap(f->data(), f->size(), Role::weights, f->path()));
   for (int a = 0; a < int(Act::count); ++a) {
     if (a == int(Act::logits)) continue;

@@ -8,6 +8,7 @@
 
 #include "../gpu/device.h"
 #include "kernel_table.h"
+#include "libraries.h"
 
 namespace lily::metal {
 
@@ -49,12 +50,24 @@ class CommandBuffer : public gpu::CommandBuffer {
   Encoder& encoder() override = 0;
 };
 
+// What a device is and can do, for `lily doctor` and error messages; 0 / "" where a device has no such notion.
+struct DeviceFacts {
+  std::string name, gpu, gpu_family, msl_version, os;
+  bool bf16 = false, tensor_ops = false;
+  uint64_t working_set = 0;  // recommendedMaxWorkingSetSize: what the GPU may keep resident without paging
+  uint64_t max_buffer = 0;   // maxBufferLength
+  uint64_t wired_limit = 0;  // sysctl iogpu.wired_limit_mb (0: the macOS default)
+};
+
 class Device : public gpu::Device {
  public:
   virtual std::unique_ptr<CommandBuffer> command_buffer() = 0;
   std::unique_ptr<gpu::CommandBuffer> new_command_buffer() final { return command_buffer(); }
   virtual bool has_bf16() const = 0;
   virtual bool has_tensor_ops() const = 0;  // Metal 4 matmul2d (M5 Neural Accelerators)
+  virtual DeviceFacts facts() const = 0;
+  // Compiles every kernel library and builds every pipeline (libraries.h): what `lily doctor` reports.
+  virtual std::vector<LibraryStatus> build_libraries() = 0;
 };
 
 // The emulated device: `library` is the path of the emulated kernel library (lily/_metal_emu.so).

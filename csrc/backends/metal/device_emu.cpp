@@ -142,7 +142,10 @@ class EmuCommandBuffer final : public CommandBuffer {
 // Argument structs are small (a few dozen bytes); one page holds the one in flight.
 constexpr uint64_t kArgsPage = 4096;
 
-class EmuDevice final : public Device {
+// Its libraries (libraries.h) are the kernels.def families: the emulated library holds every kernel, built at
+// MSL 4.0, so "compiling" a family at 3.1 leaves out its tensor kernels, and $LILY_METAL_FAIL_LIBRARY makes a
+// family fail as a Mac's compiler could.
+class EmuDevice final : public Device, private KernelLibraries {
  public:
   EmuDevice(const std::string& library, const EmuOptions& options) : lib_(load_library(library)), options_(options) {
     if (options_.workers <= 0) options_.workers = int(std::max(1u, std::thread::hardware_concurrency()));
@@ -164,6 +167,8 @@ class EmuDevice final : public Device {
                                library + ": " + missing + " (each needs a [[host_name]] instantiation in metal/<family>.metal)");
     args_page_ = lib_.alloc(kArgsPage);
     if (!args_page_) throw std::bad_alloc();
+    init_libraries(options_.tensor_ops > 0);
+    compile_all();
   }
   ~EmuDevice() override { lib_.free(args_page_, kArgsPage); }
 
@@ -183,7 +188,18 @@ class EmuDevice final : public Device {
 
   std::unique_ptr<CommandBuffer> command_buffer() override { return std::make_unique<EmuCommandBuffer>(*this); }
   bool has_bf16() const override { return true; }
-  bool has_tensor_ops() const override { return options_.tensor_ops > 0; }  // EmuOptions: both paths are emulated
+  bool has_tensor_ops() const override { return tensor_ops(); }  // EmuOptions::tensor_ops, unless a library failed
+  DeviceFacts facts() const override {
+    DeviceFacts f;
+    f.name = name();
+    f.gpu = "the MSL emulator (csrc/mslemu) on the CPU: " + lib_.path;
+    f.gpu_family = "emulated (simdgroups of 32)";
+    f.msl_version = msl_version();
+    f.bf16 = true;
+    f.tensor_ops = tensor_ops();
+    return f;
+  }
+  std::vector<LibraryStatus> build_libraries() override { return build_all(); }
   uint32_t max_threads_option() const { return options_.max_threads; }
   void execute(EmuEncoder& enc) {
     Counters c = enc.recorded();
@@ -207,8 +223,29 @@ class EmuDevice final : public Device {
   }
 
  private:
+  std::vector<std::string> library_names() const override {
+    std::vector<std::string> families;
+    for (size_t i = 0; i < size_t(KernelId::count); ++i)
+      if (std::find(families.begin(), families.end(), kernel_family(KernelId(i))) == families.end())
+        families.push_back(kernel_family(KernelId(i)));
+    return families;
+  }
+  std::string compile_library(const std::string& family, bool msl4) override {
+    compiled_[family] = msl4 ? 2 : 1;
+    return "";
+  }
+  std::string library_of(KernelId k) const override {
+    auto it = compiled_.find(kernel_family(k));
+    if (it == compiled_.end() || it->second == 0 || (kernel_needs_tensor_ops(k) && it->second < 2)) return "";
+    return it->first;
+  }
+  std::string build_pipeline(KernelId k) override {
+    return kernels_[size_t(k)] ? "" : std::string("not in the emulated library ") + lib_.path;
+  }
+
   void run(const Recorded& d, Counters& c) {
     const char* name = kernel_name(d.kernel);
+    require(d.kernel);
     if (d.args.size() > kArgsPage)
       throw std::invalid_argument(std::string("[metal-emu] ") + name + ": args struct of " + std::to_string(d.args.size()) +
                                   " bytes exceeds " + std::to_string(kArgsPage));
@@ -255,6 +292,7 @@ class EmuDevice final : public Device {
   const mslemu_kernel* kernels_[size_t(KernelId::count) + 1] = {};
   void* args_page_ = nullptr;
   uint64_t shuffles_ = 0, launches_ = 0;
+  std::map<std::string, int> compiled_;  // family -> 0 failed, 1 MSL 3.1 (no tensor kernels), 2 MSL 4.0
 };
 
 EmuCommandBuffer::EmuCommandBuffer(EmuDevice& dev) : dev_(dev) {

@@ -10,7 +10,7 @@ Shapes: T rows; n_k key heads, n_v value heads, d_k / d_v head dims; C = 2Â·n_kÂ
 """
 import numpy as np
 
-from reference.bf16 import bf16_bits, bf16_float, bf16_round  # noqa: F401 (re-exported)
+from .bf16 import bf16_bits, bf16_float, bf16_round  # noqa: F401 (re-exported)
 
 F32 = np.float32
 
@@ -79,3 +79,62 @@ def gdn(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, rec_state, nk,
     ms = (o * o).mean(-1, keepdims=True, dtype=F32)
     y = o * (F32(1) / np.sqrt(ms + F32(eps))) * norm_w.astype(F32) * silu(z.reshape(T, nv, dv))
     return y.reshape(T, nv * dv).astype(F32), conv_state, S
+
+
+# ---- the kernel cases: tests/test_gdn.py and `lily doctor` run them on the device lily._core.kernels chose
+
+EPS = 1e-6
+
+
+def _kernels():
+    from .._core import kernels
+    return kernels
+
+
+def make_inputs(T, nk, nv, dk, dv, seed):
+    """Random, never-zero inputs and states (bf16 activations as bf16-representable f32)."""
+    rng = np.random.default_rng(seed)
+    C, V = 2 * nk * dk + nv * dv, nv * dv
+    f = np.float32
+    p = dict(
+        qkv=bf16_round(rng.standard_normal((T, C)).astype(f)),
+        z=bf16_round(rng.standard_normal((T, V)).astype(f)),
+        b=bf16_round(rng.standard_normal((T, nv)).astype(f)),
+        a=bf16_round(rng.standard_normal((T, nv)).astype(f) * 2),
+        conv_w=(rng.standard_normal((C, 4)) * 0.5).astype(f),
+        A_log=rng.uniform(-2, 1, nv).astype(f),
+        dt_bias=rng.uniform(-1, 1, nv).astype(f),
+        norm_w=rng.uniform(0.5, 1.5, dv).astype(f),
+        conv_state=rng.standard_normal((3, C)).astype(f),
+        rec_state=(rng.standard_normal((nv, dk, dv)) * 0.3).astype(f),
+    )
+    # one row driving the softplus past torch's threshold and one far below it
+    p["a"][0, 0] = 30.0
+    if T > 1:
+        p["a"][1, -1] = -30.0
+    return p
+
+
+def run(p, nk, nv, dk, dv, calls, order=0, seed=0, twin=False):
+    bits = {k: bf16_bits(p[k]) for k in ("qkv", "z", "b", "a")}
+    r = _kernels().gdn_run(bits["qkv"], bits["z"], bits["b"], bits["a"], p["conv_w"], p["A_log"], p["dt_bias"],
+                        p["norm_w"], p["conv_state"], p["rec_state"], nk, nv, dk, dv, EPS, calls, order, seed, twin)
+    r["out_f"] = bf16_float(r["out"])
+    return r
+
+
+def reference(p, nk, nv, dk, dv):
+    return gdn(p["qkv"], p["z"], p["b"], p["a"], p["conv_w"], p["A_log"], p["dt_bias"], p["norm_w"],
+                   p["conv_state"], p["rec_state"], nk, nv, dk, dv, EPS)
+
+
+def check_against_reference(r, p, nk, nv, dk, dv):
+    """The state is fp32 all the way (only summation order differs from numpy); the output is one bf16 store
+    of the same fp32 value, so within one bf16 ulp (2^-7 relative) per element. A wrong gate, head mapping,
+    conv tap or missed row moves results by O(1e-1) relative."""
+    out, conv_state, rec_state = reference(p, nk, nv, dk, dv)
+    np.testing.assert_array_equal(r["conv_state"], conv_state)  # pure data movement: exact
+    np.testing.assert_allclose(r["rec_state"], rec_state, rtol=0, atol=1e-5 * float(np.abs(rec_state).max()))
+    assert np.isfinite(r["out_f"]).all()
+    np.testing.assert_allclose(r["out_f"], out, rtol=2.0 ** -7, atol=1e-6)
+    return float(np.abs(r["out_f"] - out).max() / np.abs(out).max())  # relative to the output's scale

@@ -1,7 +1,7 @@
 """NumPy reference of the common family (metal/common.metal): embedding rows, RMSNorm to bf16, greedy argmax;
 the same math as csrc/backends/reference/reference.cpp embed / rms_normalise.
 
-Shapes: T rows, V vocabulary, H hidden; E [V, H] stored as in tests/reference/dense.py; x f32 [T, H].
+Shapes: T rows, V vocabulary, H hidden; E [V, H] stored as in lily/kernel_reference/dense.py; x f32 [T, H].
 """
 import numpy as np
 

@@ -8,7 +8,7 @@ Shapes: T input rows, rows output features, cols input features, G = cols / 64 g
 """
 import numpy as np
 
-from reference.bf16 import bf16_bits, bf16_float, bf16_round  # noqa: F401 (re-exported)
+from .bf16 import bf16_bits, bf16_float, bf16_round  # noqa: F401 (re-exported)
 
 GROUP = 64
 
@@ -76,3 +76,50 @@ def project(W, x_bits, mode, residual=None, gemm=False):
     if mode == 2:
         return (residual + y).astype(np.float32)
     return y
+
+
+# ---- the kernel cases: tests/test_dense.py and `lily doctor` run them on the device lily._core.kernels chose
+
+def _kernels():
+    from .._core import kernels
+    return kernels
+
+
+def run(bits, rows, cols, T, mode, order, seed, skew=0, tensor_ops=False, path="auto", dequant=False):
+    rng = np.random.default_rng(seed)
+    w, s, b, W = random_matrix(rng, rows, cols, bits)
+    x = bf16_bits(rng.standard_normal((T, cols)).astype(np.float32))
+    residual = rng.standard_normal((T, rows)).astype(np.float32)
+    r = _kernels().project(w, s, b, bits, rows, cols, x, mode, residual, order=order, seed=seed, weight_skew=skew,
+                       tensor_ops=tensor_ops, path=path, dequant=dequant)
+    want = project(W, x, mode, residual, gemm=T > 1)
+    return r, want, W, x, residual
+
+
+def check(r, want, mode):
+    got = r["out"]
+    if mode == 0:
+        got = bf16_float(got)
+        # fp32 accumulation (different order) then one bf16 rounding: within a bf16 ulp of the exact value,
+        # plus a small absolute floor for outputs near zero after cancellation.
+        tol = 2.0**-8 * np.abs(want) + 2e-5 * np.abs(want).max()
+    else:
+        tol = 1e-5 * np.abs(want) + 2e-5 * np.abs(want).max()
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
+    assert np.all(err <= tol), f"max err {err.max()} at {np.unravel_index(np.argmax(err - tol), err.shape)}"
+    return float((err / np.maximum(tol, 1e-30)).max())  # the worst error in units of its tolerance
+
+
+def norm_project_case(seed, H, specs):
+    """The proj family's case (tests/test_proj.py, lily doctor): x f32 [H] (not unit scale), norm weights
+    around 1, and (bits, rows) matrices as kernels.norm_project takes them, with their f32 values."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(H) * 3 + 0.25).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(H)).astype(np.float32)
+    mats, dense = [], []
+    for bits, rows in specs:
+        codes, s, b, W = random_matrix(rng, rows, H, bits)
+        mats.append((bits, rows, codes, s, b))
+        dense.append(W)
+    return x, w, mats, dense

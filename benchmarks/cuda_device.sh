@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One call on a lent CUDA machine (an H200): build lily._core with the CUDA backend, run the CUDA tests, build
+# the full-size synthetic checkpoint and measure it (benchmarks/cuda_bench.py, then `lily bench --backend
+# cuda`). Logs and JSON go to $OUT (default ./out). Steps: STEPS="build test synth bench" (default all).
+# Tiny test models: $LILY_TEST_MODELS (carried: the mlx kinds cannot be built without mlx there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-build test synth bench}  # also: profile
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+log() { echo "== $(date -u +%T) $*"; }
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+if has build; then
+  log build
+  cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" \
+    >"$OUT/build.log" 2>&1 && cmake --build build/dev -j16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  ln -sf "$PWD"/build/dev/_core*.so src/lily/
+  python3 -c "import lily; print('cuda:', lily.backend_unavailable('cuda') or 'available')"
+fi
+if has synth; then
+  log "synth full (background)"
+  (time python3 -m lily.cli synth --scale full --out /tmp/synth-full) >"$OUT/synth.log" 2>&1 &
+  SYNTH=$!
+fi
+if has test; then
+  log tests
+  # the carried tiny models count as built (tinymodels.py looks for .complete)
+  for d in "${LILY_TEST_MODELS:-/nonexistent}"/*/*/*/; do [ -f "$d/config.json" ] && touch "$d/.complete"; done
+  python3 - <<'PY'
+import sys
+sys.path.insert(0, "tests")
+import tinymodels as tm
+for g in (tm.PEAKED, tm.BASE, tm.INTERVAL2):
+    d = tm.cache_root() / tm.CACHE_VERSION / f"{g.name}-{g.key()}" / "mlx_q4_bf16"
+    print("test model", d, "complete" if (d / ".complete").exists() else "MISSING")
+PY
+  # nanobind's leak report at exit (the engines cached across tests) is noise here
+  timeout 300 python3 -m pytest -q -rA tests/test_cuda.py -p no:cacheprovider 2>&1 | grep -v "leaked\|^ - " \
+    >"$OUT/test_cuda.log"; grep -E "passed|failed|PASSED|FAILED|ERROR|cuda vs" "$OUT/test_cuda.log" | tail -40
+  LILY_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -rA tests/test_one_row_chunks.py -p no:cacheprovider 2>&1 \
+    | grep -v "leaked\|^ - " >"$OUT/test_one_row.log"; grep -E "passed|failed|PASSED|FAILED|ERROR" "$OUT/test_one_row.log" | tail -12
+fi
+if has bench; then
+  [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; tail -3 "$OUT/synth.log"; }
+  log bench
+  timeout 300 python3 benchmarks/cuda_bench.py --model /tmp/synth-full --lengths ${LENGTHS:-512,4096} \
+    --contexts ${CONTEXTS:-128,1024,4096} --decode-tokens 64 --repeats 3 --json "$OUT/cuda_full.json" 2>&1 \
+    | tee "$OUT/bench.log"
+  timeout 120 python3 benchmarks/cuda_bench.py --model /tmp/synth-full --lengths 4096 --contexts 4096 \
+    --prefill-chunk 512 --decode-tokens 16 --repeats 2 --json "$OUT/cuda_full_chunk512.json" 2>&1 | grep prefill
+  timeout 200 python3 -m lily.cli bench --backend cuda --model /tmp/synth-full --lengths 4096 --contexts 4096 \
+    --decode-tokens 32 --repeats 2 --quiet --json "$OUT/lily_bench_cuda_full.json" 2>&1 | tail -15
+fi
+if has profile; then
+  [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; }
+  log profile
+  timeout 200 python3 benchmarks/cuda_profile.py --model /tmp/synth-full --prompt 4096 --chunk 2048 2>&1 \
+    | grep -v "^STAGE\|Warning" | tee "$OUT/profile.log"
+fi
+# at most 8 files come back: the logs travel as one archive
+(cd "$OUT" && tar czf logs.tar.gz *.log && rm -f *.log)
+log done

@@ -1,0 +1,740 @@
+// The CUDA backend (cuda_backend.h): buffers, submission and the ops of schedule/backend.h over the kernels
+// of kernels.cuh, on one stream.
+//
+// Decode graphs: every kernel that depends on the position reads it from pos_dev_ (set before each step) and
+// the step's input token from tok_dev_, so one decode step's launches are the same every step. The first
+// decode step of a (state, KV capacity, fusions) is captured as a CUDA graph; later steps replay it, the ops
+// only checking that the schedule calls the same sequence. Device-side greedy selection (argmax into the
+// token slot) is part of the graph; a sampled or penalised generation draws on the host from the logits row
+// (the host Sampler, sampling.h), and its decode steps run without a graph.
+#include "cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "kernels.cuh"
+
+namespace lily::cuda {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("[cuda] ") + what + ": " + cudaGetErrorString(e));
+}
+#define CK(call) check((call), #call)
+
+template <class T>
+T* device_alloc(size_t n) {
+  void* p = nullptr;
+  if (n) CK(cudaMalloc(&p, n * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+int param_dtype(DType t, const std::string& name) {
+  switch (t) {
+    case DType::f32: return kF32;
+    case DType::bf16: return kBF16;
+    case DType::f16: return kF16;
+    case DType::u32: break;
+  }
+  throw std::invalid_argument("[cuda] tensor " + name + ": integer dtype where a float one is needed");
+}
+
+struct CudaState final : State {
+  // Distinct for every state ever made: what a decode graph is keyed by (a freed state's address comes back).
+  const uint64_t serial = next_serial();
+  std::vector<__nv_bfloat16*> k, v;  // attention layers: [n_kv, capacity, d]
+  std::vector<float*> conv, rec;     // GDN layers: [k_c - 1, C], [n_v, d_k, d_v]
+  static uint64_t next_serial() {
+    static uint64_t n = 0;
+    return ++n;
+  }
+  ~CudaState() override {
+    for (auto* vec : {&k, &v})
+      for (auto* p : *vec) cudaFree(p);
+    for (auto* vec : {&conv, &rec})
+      for (auto* p : *vec) cudaFree(p);
+  }
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const Model& m, int max_rows) : m_(m), c_(m.config()), rows_(max_rows) {
+    if (max_rows <= 0) throw std::invalid_argument("[cuda] max_rows must be positive");
+    const std::string why = unavailable_reason();
+    if (!why.empty()) throw std::runtime_error("[cuda] " + why);
+    check_geometry();
+    CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    upload_weights();
+    for (int a = 0; a < int(Act::count); ++a) {
+      width_[a] = act_width(c_, Act(a));
+      if (a != int(Act::logits)) act_[a] = device_alloc<float>(size_t(rows_) * width_[a]);
+    }
+    grow_logits(1);
+    const int K = c_.top_k, E = c_.experts, TK = rows_ * K, H = c_.hidden, I = c_.moe_inter;
+    imax_ = std::max(I, c_.shared_inter);
+    qbuf_ = device_alloc<float>(size_t(rows_) * c_.n_q * c_.head_dim);
+    conv_out_ = device_alloc<float>(size_t(rows_) * c_.conv_dim());
+    attn_part_ = device_alloc<float>(size_t(c_.n_q) * kDecodeSplits * (c_.head_dim + 2));
+    router_ = device_alloc<float>(size_t(rows_) * E);
+    shared_logit_ = device_alloc<float>(rows_);
+    route_ids_ = device_alloc<int32_t>(TK);
+    route_w_ = device_alloc<float>(TK);
+    counts_ = device_alloc<int>(E);
+    offsets_ = device_alloc<int>(E);
+    perm_ = device_alloc<int>(TK);
+    inv_ = device_alloc<int>(TK);
+    g_ = device_alloc<float>(size_t(TK) * imax_);
+    u_ = device_alloc<float>(size_t(TK) * imax_);
+    hbuf_ = device_alloc<float>(size_t(TK) * imax_);
+    ybuf_ = device_alloc<float>(size_t(TK) * H);
+    sy_ = device_alloc<float>(size_t(rows_) * H);
+    tokens_ = device_alloc<int32_t>(rows_);
+    tok_dev_ = device_alloc<int32_t>(1);
+    pos_dev_ = device_alloc<int64_t>(1);
+  }
+
+  ~CudaBackend() override {
+    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+    cudaStreamSynchronize(stream_);
+    for (void* p : allocations_) cudaFree(p);
+    for (float* p : act_) cudaFree(p);
+    for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, attn_part_, router_, shared_logit_, route_ids_,
+                                                route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_, ybuf_, sy_,
+                                                tokens_, tok_dev_, pos_dev_})
+      cudaFree(p);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  int max_rows() const override { return rows_; }
+
+  // ---------------------------------------------------------------- state
+
+  std::unique_ptr<State> new_state() override {
+    auto s = std::make_unique<CudaState>();
+    s->k.assign(c_.layers, nullptr);
+    s->v.assign(c_.layers, nullptr);
+    s->conv.assign(c_.layers, nullptr);
+    s->rec.assign(c_.layers, nullptr);
+    for (int i = 0; i < c_.layers; ++i) {
+      if (c_.is_attention(i)) continue;
+      s->conv[i] = device_alloc<float>(conv_size());
+      s->rec[i] = device_alloc<float>(rec_size());
+      CK(cudaMemsetAsync(s->conv[i], 0, conv_size() * 4, stream_));
+      CK(cudaMemsetAsync(s->rec[i], 0, rec_size() * 4, stream_));
+    }
+    CK(cudaStreamSynchronize(stream_));
+    return s;
+  }
+
+  // The KV cache grows in steps of 1024 rows (each growth re-captures the decode graph), heads copied over.
+  void reserve(State& st, int64_t tokens) override {
+    auto& s = static_cast<CudaState&>(st);
+    if (tokens <= s.capacity) return;
+    const int64_t cap = (tokens + 1023) / 1024 * 1024, d = c_.head_dim;
+    for (int i = 0; i < c_.layers; ++i) {
+      if (!c_.is_attention(i)) continue;
+      for (auto* cache : {&s.k[i], &s.v[i]}) {
+        __nv_bfloat16* grown = device_alloc<__nv_bfloat16>(size_t(c_.n_kv) * cap * d);
+        if (s.capacity && s.pos)
+          CK(cudaMemcpy2DAsync(grown, cap * d * 2, *cache, s.capacity * d * 2, s.pos * d * 2, c_.n_kv,
+                               cudaMemcpyDeviceToDevice, stream_));
+        CK(cudaStreamSynchronize(stream_));
+        cudaFree(*cache);
+        *cache = grown;
+      }
+    }
+    s.capacity = cap;
+  }
+
+  std::unique_ptr<State> clone_state(const State& st) override {
+    const auto& s = static_cast<const CudaState&>(st);
+    auto out = std::unique_ptr<CudaState>(static_cast<CudaState*>(new_state().release()));
+    reserve(*out, s.capacity);
+    const int64_t d = c_.head_dim;
+    for (int i = 0; i < c_.layers; ++i) {
+      if (c_.is_attention(i)) {
+        for (auto [dst, src] : {std::pair{out->k[i], s.k[i]}, std::pair{out->v[i], s.v[i]}})
+          CK(cudaMemcpyAsync(dst, src, size_t(c_.n_kv) * s.capacity * d * 2, cudaMemcpyDeviceToDevice, stream_));
+      } else {
+        CK(cudaMemcpyAsync(out->conv[i], s.conv[i], conv_size() * 4, cudaMemcpyDeviceToDevice, stream_));
+        CK(cudaMemcpyAsync(out->rec[i], s.rec[i], rec_size() * 4, cudaMemcpyDeviceToDevice, stream_));
+      }
+    }
+    CK(cudaStreamSynchronize(stream_));
+    out->pos = s.pos;
+    return out;
+  }
+
+  void bind(State* s) override { s_ = static_cast<CudaState*>(s); }
+
+  // Session files: KV rows [0, pos) of each head in bf16 (as held), conv and recurrent state in f32.
+  std::vector<StateTensor> export_state(const State& st) override {
+    const auto& s = static_cast<const CudaState&>(st);
+    CK(cudaStreamSynchronize(stream_));
+    std::vector<StateTensor> out;
+    const int64_t d = c_.head_dim;
+    for (int i = 0; i < c_.layers; ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      if (c_.is_attention(i)) {
+        for (auto [nm, cache] : {std::pair{"k", s.k[i]}, std::pair{"v", s.v[i]}}) {
+          StateTensor t{p + nm, "bf16", {c_.n_kv, s.pos, d}, std::vector<uint8_t>(size_t(c_.n_kv) * s.pos * d * 2)};
+          if (s.pos)
+            CK(cudaMemcpy2D(t.data.data(), s.pos * d * 2, cache, s.capacity * d * 2, s.pos * d * 2, c_.n_kv,
+                            cudaMemcpyDeviceToHost));
+          out.push_back(std::move(t));
+        }
+      } else {
+        StateTensor cv{p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, std::vector<uint8_t>(conv_size() * 4)};
+        StateTensor rc{p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, std::vector<uint8_t>(rec_size() * 4)};
+        CK(cudaMemcpy(cv.data.data(), s.conv[i], cv.data.size(), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(rc.data.data(), s.rec[i], rc.data.size(), cudaMemcpyDeviceToHost));
+        out.push_back(std::move(cv));
+        out.push_back(std::move(rc));
+      }
+    }
+    return out;
+  }
+
+  void import_state(State& st, int64_t pos, const std::vector<StateTensor>& tensors) override {
+    auto& s = static_cast<CudaState&>(st);
+    if (pos < 0) throw std::invalid_argument("[cuda] import_state: negative position");
+    auto find = [&](const std::string& name, const char* dtype, std::vector<int64_t> shape,
+                    size_t elem) -> const StateTensor& {
+      for (const auto& t : tensors)
+        if (t.name == name) {
+          size_t n = 1;
+          for (auto x : shape) n *= size_t(x);
+          if (t.dtype != dtype || t.shape != shape || t.data.size() != n * elem)
+            throw std::invalid_argument("[cuda] state tensor '" + name + "' has the wrong dtype, shape or size (want " +
+                                        dtype + ")");
+          return t;
+        }
+      throw std::invalid_argument("[cuda] state tensor '" + name + "' is missing");
+    };
+    s.pos = 0;
+    reserve(s, std::max<int64_t>(pos, 1));
+    const int64_t d = c_.head_dim;
+    for (int i = 0; i < c_.layers; ++i) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      if (c_.is_attention(i)) {
+        for (auto [nm, cache] : {std::pair{"k", s.k[i]}, std::pair{"v", s.v[i]}}) {
+          const auto& t = find(p + nm, "bf16", {c_.n_kv, pos, d}, 2);
+          if (pos)
+            CK(cudaMemcpy2D(cache, s.capacity * d * 2, t.data.data(), pos * d * 2, pos * d * 2, c_.n_kv,
+                            cudaMemcpyHostToDevice));
+        }
+      } else {
+        const auto& cv = find(p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, 4);
+        const auto& rc = find(p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, 4);
+        CK(cudaMemcpy(s.conv[i], cv.data.data(), cv.data.size(), cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(s.rec[i], rc.data.data(), rc.data.size(), cudaMemcpyHostToDevice));
+      }
+    }
+    s.pos = pos;
+  }
+
+  // ---------------------------------------------------------------- submission
+
+  void begin(Phase phase, const Fusions& f) override {
+    if (!s_) throw std::logic_error("[cuda] begin() with no bound state");
+    phase_ = phase;
+    const int64_t pos = s_->pos;
+    CK(cudaMemcpyAsync(pos_dev_, &pos, sizeof pos, cudaMemcpyHostToDevice, stream_));
+    ops_ = 0;
+    mode_ = Mode::direct;
+    if (phase != Phase::decode || host_select_) return;
+    const GraphKey key{s_->serial, s_->capacity, fusion_bits(f)};
+    mode_ = graph_exec_ && key == graph_key_ ? Mode::replay : Mode::capture_pending;
+    graph_key_ = key;
+  }
+
+  void commit() override {
+    if (phase_ == Phase::decode && mode_ != Mode::direct) {
+      // Device greedy selection is part of every decode graph (a step that does not select only leaves the
+      // token slot overwritten by the next embed).
+      if (mode_ == Mode::capturing) {
+        argmax_kernel<<<1, 1024, 0, stream_>>>(act(Act::logits), c_.vocab, tok_dev_);
+        cudaGraph_t graph = nullptr;
+        CK(cudaStreamEndCapture(stream_, &graph));
+        if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+        graph_exec_ = nullptr;
+        const cudaError_t e = cudaGraphInstantiate(&graph_exec_, graph, 0);
+        cudaGraphDestroy(graph);
+        check(e, "cudaGraphInstantiate (decode step)");
+        graph_ops_ = ops_;
+      } else if (ops_ != graph_ops_) {
+        throw std::logic_error("[cuda] decode step called " + std::to_string(ops_) + " ops, its graph holds " +
+                               std::to_string(graph_ops_));
+      }
+      CK(cudaGraphLaunch(graph_exec_, stream_));
+      mode_ = Mode::direct;
+    }
+    CK(cudaGetLastError());
+  }
+
+  void read_logits(float* out, int rows) override {
+    CK(cudaMemcpyAsync(out, act(Act::logits), size_t(rows) * c_.vocab * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaStreamSynchronize(stream_));
+  }
+
+  // ---------------------------------------------------------------- ops
+
+  void embed(const int32_t* tokens, int T) override {
+    check_rows(T, "embed");
+    for (int t = 0; t < T; ++t)
+      if (tokens[t] < 0 || tokens[t] >= c_.vocab)
+        throw std::out_of_range("[embed] token id " + std::to_string(tokens[t]) + " outside the vocabulary [0, " +
+                                std::to_string(c_.vocab) + ")");
+    if (phase_ == Phase::decode && mode_ != Mode::direct) {
+      // the graph embeds from the token slot
+      CK(cudaMemcpyAsync(tok_dev_, tokens, 4, cudaMemcpyHostToDevice, stream_));
+      embed_selected();
+      return;
+    }
+    CK(cudaMemcpyAsync(tokens_, tokens, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
+    if (!op()) return;
+    embed_kernel<<<T, 64, 0, stream_>>>(embed_, tokens_, act(Act::x), c_.hidden, c_.vocab);
+  }
+
+  void embed_selected() override {
+    if (mode_ == Mode::capture_pending) {
+      CK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      mode_ = Mode::capturing;
+    }
+    if (!op()) return;
+    embed_kernel<<<1, 64, 0, stream_>>>(embed_, tok_dev_, act(Act::x), c_.hidden, c_.vocab);
+  }
+
+  void rmsnorm(Act in, Act out, const Vec& w, int T) override {
+    if (!op()) return;
+    rmsnorm_kernel<<<T, 256, 0, stream_>>>(act(in), width(in), act(out), width(out), vec(w), int(w.size()),
+                                          c_.rms_eps);
+  }
+
+  void project(Act in, Act out, const Linear& W, int T, bool accumulate) override {
+    check_rows(T, W.name.c_str());
+    if (!op()) return;
+    matmul(W, act(in), width(in), T, act(out), width(out), accumulate);
+  }
+
+  void norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps) override {
+    if (!op()) return;
+    GemvJobs jobs;
+    for (const Projection& p : ps) add_job(jobs, *p.W, act(p.out));
+    gemv(jobs, act(in), vec(w), nullptr);
+  }
+
+  void norm_lm_head(int row) override {
+    if (!op()) return;
+    GemvJobs jobs;
+    add_job(jobs, m_.lm_head, act(Act::logits));
+    gemv(jobs, act(Act::x) + int64_t(row) * c_.hidden, vec(m_.norm), nullptr);
+  }
+
+  void lm_head(int first, int rows) override {
+    check_rows(rows, "lm_head");
+    if (!op()) return;
+    grow_logits(rows);
+    rmsnorm_kernel<<<rows, 256, 0, stream_>>>(act(Act::x) + int64_t(first) * c_.hidden, c_.hidden, act(Act::xn),
+                                             c_.hidden, vec(m_.norm), c_.hidden, c_.rms_eps);
+    matmul(m_.lm_head, act(Act::xn), c_.hidden, rows, act(Act::logits), c_.vocab, false);
+  }
+
+  void attn_prepare(int layer, int T, int64_t pos) override {
+    check_pos(pos);
+    if (!op()) return;
+    const AttentionWeights& A = m_.layers[layer].attn;
+    const int d = c_.head_dim;
+    attn_prepare_kernel<<<dim3(T, c_.n_q + c_.n_kv), d, d * 4, stream_>>>(
+        act(Act::q_gate), act(Act::k), act(Act::v), vec(A.q_norm), vec(A.k_norm), qbuf_, s_->k[layer], s_->v[layer],
+        s_->capacity, pos_dev_, c_.n_q, c_.n_kv, d, c_.rotary_dim, c_.rope_theta, c_.rms_eps);
+  }
+
+  void attn_prefill(int layer, int T, int64_t pos) override { attention(layer, T, pos, 1); }
+  void attn_decode(int layer, int64_t pos) override { attention(layer, 1, pos, kDecodeSplits); }
+
+  // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence, the gated
+  // norm over all rows.
+  void gdn_scan(int layer, int T) override {
+    check_rows(T, "gdn_scan");
+    if (!op()) return;
+    const DeltaNetWeights& G = m_.layers[layer].gdn;
+    const int C = c_.conv_dim(), nk = c_.lin_nk, nv = c_.lin_nv, dv = c_.lin_dv;
+    const int64_t cells = int64_t(T) * C;
+    gdn_conv_rows_kernel<<<int((cells + 255) / 256), 256, 0, stream_>>>(act(Act::qkv), conv_out_, s_->conv[layer],
+                                                                       vec(G.conv), T, C, c_.conv_kernel);
+    gdn_conv_state_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), s_->conv[layer], T, C,
+                                                               c_.conv_kernel);
+    const int warps = T * (2 * nk + 1);
+    gdn_prepare_kernel<<<(warps + 3) / 4, 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha),
+                                                            vec(G.A_log), vec(G.dt_bias), T, C, nk, nv, c_.lin_dk);
+    auto scan = [&](auto kernel) {
+      kernel<<<dim3(nv, dv / 32), 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha), s_->rec[layer],
+                                                      act(Act::mix), width(Act::mix), T, C, nk, nv, dv);
+    };
+    switch (c_.lin_dk) {
+      case 32: scan(gdn_scan_rows_kernel<32>); break;
+      case 64: scan(gdn_scan_rows_kernel<64>); break;
+      default: scan(gdn_scan_rows_kernel<128>); break;
+    }
+    gdn_gated_norm_kernel<<<T * nv, dv, 0, stream_>>>(act(Act::mix), width(Act::mix), act(Act::z), vec(G.norm), nv,
+                                                     dv, c_.rms_eps);
+  }
+
+  // One row with everything after the conv in one kernel per value head.
+  void gdn_step(int layer) override {
+    if (!op()) return;
+    const DeltaNetWeights& G = m_.layers[layer].gdn;
+    const int C = c_.conv_dim();
+    gdn_conv_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), conv_out_, s_->conv[layer], vec(G.conv), 1,
+                                                         C, c_.conv_kernel);
+    auto step = [&](auto kernel) {
+      kernel<<<c_.lin_nv, 2 * c_.lin_dv, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha), act(Act::z),
+                                                      s_->rec[layer], vec(G.A_log), vec(G.dt_bias), vec(G.norm),
+                                                      act(Act::mix), width(Act::mix), 1, C, c_.lin_nk, c_.lin_nv,
+                                                      c_.lin_dv, c_.rms_eps);
+    };
+    switch (c_.lin_dk) {
+      case 32: step(gdn_scan_kernel<32>); break;
+      case 64: step(gdn_scan_kernel<64>); break;
+      default: step(gdn_scan_kernel<128>); break;
+    }
+  }
+
+  void moe_route(int layer, int T) override {
+    check_rows(T, "moe_route");
+    if (!op()) return;
+    const MoeWeights& M = m_.layers[layer].moe;
+    matmul(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts, false);
+    matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false);
+    topk(T);
+  }
+
+  void moe_norm_route(int layer, const Vec& w) override {
+    if (!op()) return;
+    const MoeWeights& M = m_.layers[layer].moe;
+    GemvJobs jobs;
+    add_job(jobs, M.router, router_);
+    add_job(jobs, M.shared_gate, shared_logit_);
+    gemv(jobs, act(Act::x), vec(w), act(Act::xn));
+    topk(1);
+  }
+
+  void moe_prefill(int layer, int T) override {
+    check_rows(T, "moe_prefill");
+    if (!op()) return;
+    const MoeWeights& M = m_.layers[layer].moe;
+    const int K = c_.top_k, E = c_.experts, H = c_.hidden, I = c_.moe_inter, Is = c_.shared_inter, TK = T * K;
+    moe_group_kernel<<<1, 1024, 2 * E * sizeof(int), stream_>>>(route_ids_, TK, E, counts_, offsets_, perm_, inv_);
+    const float* xn = act(Act::xn);
+    grouped(M.gate, xn, H, T, perm_, K, g_, I);
+    grouped(M.up, xn, H, T, perm_, K, u_, I);
+    swiglu(g_, u_, hbuf_, int64_t(TK) * I);
+    grouped(M.down, hbuf_, I, T, nullptr, 1, ybuf_, H);
+    matmul(M.shared_gate_proj, xn, H, T, g_, Is, false);
+    matmul(M.shared_up, xn, H, T, u_, Is, false);
+    swiglu(g_, u_, hbuf_, int64_t(T) * Is);
+    matmul(M.shared_down, hbuf_, Is, T, sy_, H, false);
+    moe_combine_kernel<<<T, 256, 0, stream_>>>(act(Act::x), ybuf_, sy_, shared_logit_, route_w_, inv_, K, H);
+  }
+
+  void moe_decode(int layer) override {
+    if (!op()) return;
+    const MoeWeights& M = m_.layers[layer].moe;
+    const int K = c_.top_k, H = c_.hidden;
+    moe_gate_up_kernel<<<dim3((imax_ + kGemvBlockRows - 1) / kGemvBlockRows, K + 1), kGemvWarps * 32, H * 4,
+                         stream_>>>(
+        lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), act(Act::xn), H, route_ids_, K, hbuf_,
+        imax_);
+    moe_down_kernel<<<(H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, ((K + 1) * imax_ + 2 * K) * 4, stream_>>>(
+        lin(M.down), lin(M.shared_down), hbuf_, imax_, route_ids_, route_w_, shared_logit_, K, act(Act::x));
+  }
+
+  // ---------------------------------------------------------------- token selection
+
+  void select_begin(const Sampler& sampler) override {
+    sampler_ = std::make_unique<Sampler>(sampler);
+    host_select_ = !sampler.params().greedy() || sampler.params().penalised();
+    pending_ = false;
+  }
+
+  void select_token() override {
+    if (!sampler_) throw std::logic_error("[cuda] select_token() before select_begin()");
+    pending_ = true;
+    if (host_select_) {
+      std::vector<float> row(size_t(c_.vocab));
+      read_logits(row.data(), 1);
+      const int32_t t = sampler_->sample(row.data()).token;
+      sampler_->accept(t);
+      CK(cudaMemcpyAsync(tok_dev_, &t, 4, cudaMemcpyHostToDevice, stream_));
+      CK(cudaStreamSynchronize(stream_));  // `t` is a local the copy reads
+      return;
+    }
+    if (phase_ == Phase::decode && mode_ != Mode::direct) return;  // in the graph (commit)
+    argmax_kernel<<<1, 1024, 0, stream_>>>(act(Act::logits), c_.vocab, tok_dev_);
+  }
+
+  int32_t read_token(float* logits) override {
+    if (!pending_) throw std::logic_error("[cuda] read_token() with no step's token unread");
+    pending_ = false;
+    int32_t t = 0;
+    CK(cudaMemcpyAsync(&t, tok_dev_, 4, cudaMemcpyDeviceToHost, stream_));
+    if (logits) CK(cudaMemcpyAsync(logits, act(Act::logits), size_t(c_.vocab) * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaStreamSynchronize(stream_));
+    if (!host_select_) sampler_->accept(t);
+    return t;
+  }
+
+ private:
+  static constexpr int kDecodeSplits = 128;  // KV splits of a decode row (fixed: the graph's grid)
+  enum class Mode { direct, capture_pending, capturing, replay };
+  struct GraphKey {
+    uint64_t state = 0;  // CudaState::serial
+    int64_t capacity = 0;
+    uint32_t fusions = 0;
+    bool operator==(const GraphKey& o) const {
+      return state == o.state && capacity == o.capacity && fusions == o.fusions;
+    }
+  };
+  static uint32_t fusion_bits(const Fusions& f) {
+    const bool bits[] = {f.norm_project, f.route, f.attn_prepare, f.gdn_step, f.expert_swiglu, f.expert_combine,
+                         f.dequant};
+    uint32_t v = 0;
+    for (size_t i = 0; i < sizeof bits; ++i) v |= uint32_t(bits[i]) << i;
+    return v;
+  }
+
+  // Counts the op; false when a replayed graph already holds its launches.
+  bool op() {
+    ++ops_;
+    if (mode_ == Mode::capture_pending)
+      throw std::logic_error("[cuda] a decode step must start with embed or embed_selected");
+    return mode_ != Mode::replay;
+  }
+
+  void check_geometry() const {
+    auto need = [](bool ok, const std::string& what) {
+      if (!ok) throw std::invalid_argument("[cuda] unsupported geometry: " + what);
+    };
+    const int d = c_.head_dim;
+    need(d == 32 || d == 64 || d == 128 || d == 256, "head_dim " + std::to_string(d) + " (32, 64, 128 or 256)");
+    need(c_.n_q % c_.n_kv == 0 && c_.n_q / c_.n_kv <= kMaxGroup,
+         "n_q / n_kv = " + std::to_string(c_.n_q / std::max(c_.n_kv, 1)) + " (at most 8 query heads per KV head)");
+    need(c_.lin_dk == 32 || c_.lin_dk == 64 || c_.lin_dk == 128, "linear_key_head_dim " + std::to_string(c_.lin_dk));
+    need(c_.lin_dv % 32 == 0 && c_.lin_dv <= 512, "linear_value_head_dim " + std::to_string(c_.lin_dv));
+    need(c_.conv_kernel >= 1 && c_.conv_kernel <= 8, "linear_conv_kernel_dim " + std::to_string(c_.conv_kernel));
+    need(c_.top_k <= 32 && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
+    need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));
+  }
+
+  // ---- weights: every Linear's tensors copied once into their own device allocation (16-byte aligned, as the
+  // kernels' vector loads need); Vecs likewise as fp32.
+  void upload_weights() {
+    embed_ = lin_upload(m_.embed);
+    lin_upload(m_.lm_head);
+    vec_upload(m_.norm);
+    for (const LayerWeights& L : m_.layers) {
+      for (const Vec* v : {&L.input_norm, &L.post_norm, &L.attn.q_norm, &L.attn.k_norm, &L.gdn.conv, &L.gdn.A_log,
+                           &L.gdn.dt_bias, &L.gdn.norm})
+        if (v->size()) vec_upload(*v);
+      for (const Linear* W : {&L.attn.q, &L.attn.k, &L.attn.v, &L.attn.o, &L.gdn.qkv, &L.gdn.z, &L.gdn.b, &L.gdn.a,
+                              &L.gdn.out, &L.moe.router, &L.moe.gate, &L.moe.up, &L.moe.down,
+                              &L.moe.shared_gate_proj, &L.moe.shared_up, &L.moe.shared_down, &L.moe.shared_gate})
+        if (W->w) lin_upload(*W);
+    }
+    CK(cudaDeviceSynchronize());
+  }
+
+  const uint8_t* copy_span(const uint8_t* host, uint64_t bytes) {
+    void* p = nullptr;
+    CK(cudaMalloc(&p, bytes));
+    allocations_.push_back(p);
+    CK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+    weight_bytes_ += bytes;
+    return static_cast<const uint8_t*>(p);
+  }
+
+  LinDev lin_upload(const Linear& W) {
+    if (W.cols % 32 != 0)
+      throw std::invalid_argument("[cuda] weight " + W.name + ": " + std::to_string(W.cols) +
+                                  " columns, the kernels need a multiple of 32");
+    if (W.quantized() && (W.group % 32 != 0 || (W.bits != 4 && W.bits != 8)))
+      throw std::invalid_argument("[cuda] weight " + W.name + ": " + std::to_string(W.bits) + "-bit groups of " +
+                                  std::to_string(W.group) + " (4 or 8 bits, groups a multiple of 32)");
+    if (!W.quantized() && W.wdtype == DType::u32)
+      throw std::invalid_argument("[cuda] weight " + W.name + ": integer dense weight");
+    const int64_t E = std::max<int64_t>(W.experts, 1);
+    auto span = [&](uint64_t expert_bytes, uint64_t row_bytes) { return (E - 1) * expert_bytes + W.rows * row_bytes; };
+    LinDev d;
+    d.w = copy_span(W.w, span(W.w_expert_bytes, W.w_row_bytes));
+    if (W.quantized()) {
+      d.s = copy_span(W.scales, span(W.s_expert_bytes, W.s_row_bytes));
+      d.b = copy_span(W.biases, span(W.s_expert_bytes, W.s_row_bytes));
+      d.sdt = param_dtype(W.sdtype, W.name);
+    } else {
+      d.wdt = param_dtype(W.wdtype, W.name);
+    }
+    d.bits = W.bits, d.group = W.group, d.rows = int(W.rows), d.cols = int(W.cols);
+    d.w_row = W.w_row_bytes, d.s_row = W.s_row_bytes, d.w_expert = W.w_expert_bytes, d.s_expert = W.s_expert_bytes;
+    lins_[&W] = d;
+    return d;
+  }
+
+  void vec_upload(const Vec& v) { vecs_[&v] = reinterpret_cast<const float*>(copy_span(
+                                      reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4)); }
+
+  const LinDev& lin(const Linear& W) const {
+    auto it = lins_.find(&W);
+    if (it == lins_.end()) throw std::logic_error("[cuda] weight " + W.name + " was not uploaded");
+    return it->second;
+  }
+  const float* vec(const Vec& v) const {
+    auto it = vecs_.find(&v);
+    if (it == vecs_.end()) throw std::logic_error("[cuda] parameter " + v.name + " was not uploaded");
+    return it->second;
+  }
+
+  // ---- launches
+  void add_job(GemvJobs& jobs, const Linear& W, float* out) const {
+    if (jobs.n == 4) throw std::logic_error("[cuda] more than four projections share one input");
+    jobs.W[jobs.n] = lin(W);
+    jobs.out[jobs.n] = out;
+    jobs.first[jobs.n + 1] = jobs.first[jobs.n] + int(W.rows);
+    ++jobs.n;
+  }
+
+  void gemv(GemvJobs& jobs, const float* x, const float* norm, float* xn_out) {
+    const int rows = jobs.first[jobs.n], cols = jobs.W[0].cols;
+    gemv_kernel<<<(rows + kGemvBlockRows - 1) / kGemvBlockRows, kGemvWarps * 32, cols * 4, stream_>>>(
+        jobs, x, cols, norm, c_.rms_eps, xn_out);
+  }
+
+  // Y (+)= W · X for T rows: a warp-per-row GEMV for one row, the tensor-core GEMM for more.
+  void matmul(const Linear& W, const float* X, int ldx, int T, float* Y, int ldy, bool accumulate) {
+    if (T == 1) {
+      GemvJobs jobs;
+      add_job(jobs, W, Y);
+      jobs.accumulate = accumulate;
+      gemv(jobs, X, nullptr, nullptr);
+      return;
+    }
+    GemmArgs a{lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, accumulate};
+    gemm(a, (T + kTileM - 1) / kTileM, 1);
+  }
+
+  // The experts' GEMM over the grouped assignment slots (rows of X gathered through `rows` / `div`).
+  void grouped(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y, int ldy) {
+    GemmArgs a{lin(W), X, ldx, Y, ldy, 0, counts_, offsets_, rows, div, false};
+    gemm(a, (T + kTileM - 1) / kTileM, c_.experts);
+  }
+
+  void gemm(const GemmArgs& a, int m_tiles, int groups) {
+    gemm_kernel<<<dim3((a.W.rows + kTileN - 1) / kTileN, m_tiles, groups), 256, 0, stream_>>>(a);
+  }
+
+  void swiglu(const float* g, const float* u, float* h, int64_t n) {
+    swiglu_kernel<<<int((n + 255) / 256), 256, 0, stream_>>>(g, u, h, n);
+  }
+
+  void topk(int T) {
+    topk_kernel<<<(T + 3) / 4, 128, 4 * c_.experts * sizeof(float), stream_>>>(router_, c_.experts, c_.top_k, T, route_ids_, route_w_);
+  }
+
+  void attention(int layer, int T, int64_t pos, int splits) {
+    check_pos(pos);
+    if (!op()) return;
+    const int warps = T * c_.n_kv * splits;
+    auto run = [&](auto kernel) {
+      kernel<<<(warps + 3) / 4, 128, 0, stream_>>>(qbuf_, s_->k[layer], s_->v[layer], s_->capacity, act(Act::q_gate),
+                                                  act(Act::mix), width(Act::mix), T, c_.n_q, c_.n_kv, splits,
+                                                  pos_dev_, attn_part_);
+    };
+    switch (c_.head_dim) {
+      case 32: run(attention_kernel<32>); break;
+      case 64: run(attention_kernel<64>); break;
+      case 128: run(attention_kernel<128>); break;
+      default: run(attention_kernel<256>); break;
+    }
+    if (splits > 1)
+      attention_combine_kernel<<<c_.n_q, c_.head_dim, 0, stream_>>>(attn_part_, splits, c_.head_dim,
+                                                                   act(Act::q_gate), act(Act::mix), c_.n_q);
+  }
+
+  void grow_logits(int rows) {
+    if (rows <= logit_rows_) return;
+    CK(cudaStreamSynchronize(stream_));
+    cudaFree(act_[int(Act::logits)]);
+    act_[int(Act::logits)] = device_alloc<float>(size_t(rows) * c_.vocab);
+    logit_rows_ = rows;
+  }
+
+  float* act(Act a) { return act_[int(a)]; }
+  int width(Act a) const { return int(width_[int(a)]); }
+  size_t conv_size() const { return size_t(c_.conv_kernel - 1) * c_.conv_dim(); }
+  size_t rec_size() const { return size_t(c_.lin_nv) * c_.lin_dk * c_.lin_dv; }
+  void check_rows(int T, const char* op) const {
+    if (T < 1 || T > rows_)
+      throw std::out_of_range(std::string("[") + op + "] " + std::to_string(T) + " rows, chunk limit is " +
+                              std::to_string(rows_));
+  }
+  void check_pos(int64_t pos) const {
+    if (pos != s_->pos)
+      throw std::logic_error("[cuda] op at position " + std::to_string(pos) + ", the bound state is at " +
+                             std::to_string(s_->pos));
+  }
+
+  const Model& m_;
+  const ModelConfig& c_;
+  const int rows_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<void*> allocations_;
+  uint64_t weight_bytes_ = 0;
+  std::unordered_map<const Linear*, LinDev> lins_;
+  std::unordered_map<const Vec*, const float*> vecs_;
+  LinDev embed_;
+  int64_t width_[int(Act::count)] = {};
+  float* act_[int(Act::count)] = {};
+  int logit_rows_ = 0, imax_ = 0;
+  float *qbuf_ = nullptr, *conv_out_ = nullptr, *attn_part_ = nullptr, *router_ = nullptr, *shared_logit_ = nullptr;
+  int32_t* route_ids_ = nullptr;
+  float* route_w_ = nullptr;
+  int *counts_ = nullptr, *offsets_ = nullptr, *perm_ = nullptr, *inv_ = nullptr;
+  float *g_ = nullptr, *u_ = nullptr, *hbuf_ = nullptr, *ybuf_ = nullptr, *sy_ = nullptr;
+  int32_t *tokens_ = nullptr, *tok_dev_ = nullptr;
+  int64_t* pos_dev_ = nullptr;
+  CudaState* s_ = nullptr;
+  Phase phase_ = Phase::prefill;
+  Mode mode_ = Mode::direct;
+  int ops_ = 0, graph_ops_ = 0;
+  cudaGraphExec_t graph_exec_ = nullptr;
+  GraphKey graph_key_;
+  std::unique_ptr<Sampler> sampler_;
+  bool host_select_ = false, pending_ = false;
+};
+
+}  // namespace
+
+std::string unavailable_reason() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0)
+    return std::string("no CUDA device (") + (e != cudaSuccess ? cudaGetErrorString(e) : "none found") + ")";
+  cudaDeviceProp p;
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) return "no CUDA device (cudaGetDeviceProperties failed)";
+  if (p.major < 9)
+    return "no CUDA device of compute capability 9.0 (the build targets sm_90a; found " + std::string(p.name) + ", " +
+           std::to_string(p.major) + "." + std::to_string(p.minor) + ")";
+  return "";
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows) {
+  return std::make_unique<CudaBackend>(model, max_rows);
+}
+
+}  // namespace lily::cuda

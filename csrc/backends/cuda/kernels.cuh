@@ -1,0 +1,927 @@
+// The CUDA backend's kernels (cuda_backend.cu launches them). Shapes as in schedule/backend.h: T rows of a
+// chunk, H hidden, C conv channels, E experts, K top-k, I expert width. Activations are fp32 rows; weights
+// stay in their stored format (MLX affine 4/8-bit groups with f32/bf16/f16 scales, or dense f32/bf16/f16)
+// and are dequantised 32 columns at a time, the unit of every kernel's weight loads (16 bytes of 4-bit codes).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#include <cstdint>
+
+namespace lily::cuda {
+
+enum : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// One Linear on the device (weights.h's Linear with device pointers).
+struct LinDev {
+  const uint8_t* w = nullptr;
+  const uint8_t* s = nullptr;
+  const uint8_t* b = nullptr;
+  int bits = 0, group = 0, wdt = kBF16, sdt = kBF16;
+  int rows = 0, cols = 0;
+  uint64_t w_row = 0, s_row = 0, w_expert = 0, s_expert = 0;
+};
+
+__device__ __forceinline__ float load_param(const uint8_t* p, int dt, int i) {
+  if (dt == kF32) return reinterpret_cast<const float*>(p)[i];
+  const uint16_t h = reinterpret_cast<const uint16_t*>(p)[i];
+  if (dt == kBF16) return __uint_as_float(uint32_t(h) << 16);
+  return __half2float(__ushort_as_half(h));
+}
+
+__device__ __forceinline__ void unpack_bf16x8(uint4 q, float* v) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// Columns [c0, c0 + 32) of row r of expert e, dequantised; c0 is a multiple of 32 (a group holds 32k columns).
+__device__ __forceinline__ void dequant32(const LinDev& W, int e, int r, int c0, float* v) {
+  const uint8_t* row = W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row;
+  if (W.bits) {
+    const int g = c0 / W.group;
+    const uint8_t* srow = uint64_t(e) * W.s_expert + uint64_t(r) * W.s_row + W.s;
+    const uint8_t* brow = uint64_t(e) * W.s_expert + uint64_t(r) * W.s_row + W.b;
+    const float scale = load_param(srow, W.sdt, g), bias = load_param(brow, W.sdt, g);
+    if (W.bits == 4) {
+      const uint4 q = *reinterpret_cast<const uint4*>(row + c0 / 2);
+      const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[8 * i + k] = fmaf(scale, float((w[i] >> (4 * k)) & 15u), bias);
+    } else {
+      const uint4* p = reinterpret_cast<const uint4*>(row + c0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 q = p[h];
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) v[16 * h + 4 * i + k] = fmaf(scale, float((w[i] >> (8 * k)) & 255u), bias);
+      }
+    }
+    return;
+  }
+  if (W.wdt == kBF16) {
+    const uint4* p = reinterpret_cast<const uint4*>(row + 2 * c0);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) unpack_bf16x8(p[i], v + 8 * i);
+  } else if (W.wdt == kF32) {
+    const float4* p = reinterpret_cast<const float4*>(row + 4 * c0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float4 f = p[i];
+      v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+  } else {
+    const __half* p = reinterpret_cast<const __half*>(row + 2 * c0);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = __half2float(p[i]);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch32) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch32[warp] = v;
+  __syncthreads();
+  float t = lane < warps ? scratch32[lane] : 0.f;
+  return warp_sum(t);
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// Row r of W (expert e) · x (x in shared memory, W.cols long), summed over the warp.
+__device__ __forceinline__ float warp_dot_row(const LinDev& W, int e, int r, const float* x) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+  for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32) {
+    float v[32];
+    dequant32(W, e, r, c0, v);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc = fmaf(v[i], x[c0 + i], acc);
+  }
+  return warp_sum(acc);
+}
+
+// Decode's GEMVs are latency-bound unless each lane has several weight loads in flight: R rows of one matrix
+// at once, every row's 16-byte load of a column chunk issued before the first of them is used. 4-bit rows
+// take that path; other formats go row by row through dequant32. Results reduced over the warp into out[R].
+struct Q4Chunk {
+  uint4 q;
+  float scale, bias;
+};
+__device__ __forceinline__ Q4Chunk load_q4(const LinDev& W, int e, int r, int c0) {
+  const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(r) * W.s_row;
+  const int g = c0 / W.group;
+  return {*reinterpret_cast<const uint4*>(W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row + c0 / 2),
+          load_param(W.s + s_off, W.sdt, g), load_param(W.b + s_off, W.sdt, g)};
+}
+__device__ __forceinline__ float dot_q4(const Q4Chunk& c, const float* x, float acc) {
+  const uint32_t w[4] = {c.q.x, c.q.y, c.q.z, c.q.w};
+  float codes = 0.f, sum = 0.f;  // Σ x·(s·q + b) = s·Σ x·q + b·Σ x
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float xv = x[8 * i + k];
+      codes = fmaf(float((w[i] >> (4 * k)) & 15u), xv, codes);
+      sum += xv;
+    }
+  return fmaf(c.scale, codes, fmaf(c.bias, sum, acc));
+}
+
+template <int R>
+__device__ __forceinline__ void warp_dot_rows(const LinDev& W, const int* e, const int* r, const float* x,
+                                              float* out) {
+  const int lane = threadIdx.x & 31;
+  float acc[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) acc[i] = 0.f;
+  if (W.bits == 4) {
+#pragma unroll 2
+    for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32) {
+      Q4Chunk c[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) c[i] = load_q4(W, e[i], r[i], c0);
+#pragma unroll
+      for (int i = 0; i < R; ++i) acc[i] = dot_q4(c[i], x + c0, acc[i]);
+    }
+  } else {
+    for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32)
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        float v[32];
+        dequant32(W, e[i], r[i], c0, v);
+#pragma unroll
+        for (int k = 0; k < 32; ++k) acc[i] = fmaf(v[k], x[c0 + k], acc[i]);
+      }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) out[i] = warp_sum(acc[i]);
+}
+
+// n floats (a multiple of 4, 16-byte aligned) from global into shared memory, each thread's float4 loads issued
+// together (a loop of dependent load/store pairs costs a memory latency per element the thread copies);
+// returns this thread's sum of squares of what it copied.
+__device__ __forceinline__ float stage(const float* src, int n, float* dst) {
+  constexpr int kBatch = 8;
+  float ss = 0.f;
+  for (int base = threadIdx.x * 4; base < n; base += blockDim.x * 4 * kBatch) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * blockDim.x * 4;
+      v[b] = i < n ? *reinterpret_cast<const float4*>(src + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = base + b * blockDim.x * 4;
+      if (i < n) *reinterpret_cast<float4*>(dst + i) = v[b];
+      ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+    }
+  }
+  return ss;
+}
+
+// x (cols floats) into shared memory, RMSNorm'd by `norm` when given (norm == nullptr: copied as is).
+__device__ __forceinline__ void stage_row(const float* x, int cols, const float* norm, float eps, float* xs,
+                                          float* scratch32) {
+  const float ss = stage(x, cols, xs);
+  if (norm) {
+    const float inv = rsqrtf(block_sum(ss, scratch32) / float(cols) + eps);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) xs[j] = xs[j] * inv * norm[j];
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------- one-row projections (GEMV)
+
+// Up to four matrices sharing one input row, their output rows numbered one after another; one warp per row.
+struct GemvJobs {
+  LinDev W[4];
+  float* out[4];
+  int first[5] = {0, 0, 0, 0, 0};  // first[j]: the first global row of job j; first[n] = total rows
+  int n = 0;
+  bool accumulate = false;
+};
+
+constexpr int kGemvWarps = 8, kGemvRows = 4;  // rows per warp
+constexpr int kGemvBlockRows = kGemvWarps * kGemvRows;
+
+// out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null); `xn_out`, when given, receives the staged row
+// (block 0), for the ops after a fused norm that read xn. Each warp kGemvRows consecutive rows (job sizes are
+// multiples of kGemvRows but for tails, which go row by row).
+__global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemvJobs jobs, const float* x, int cols,
+                                                                const float* norm, float eps, float* xn_out) {
+  extern __shared__ float xs[];
+  __shared__ float scratch[32];
+  stage_row(x, cols, norm, eps, xs, scratch);
+  if (xn_out && blockIdx.x == 0)
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) xn_out[j] = xs[j];
+  const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
+  if (r0 >= jobs.first[jobs.n]) return;
+  int j = 0;
+  while (r0 >= jobs.first[j + 1]) ++j;
+  const int row = r0 - jobs.first[j];
+  const int lane = threadIdx.x & 31;
+  const int zero[kGemvRows] = {};
+  if (r0 + kGemvRows <= jobs.first[j + 1]) {
+    int rows[kGemvRows];
+    float v[kGemvRows];
+#pragma unroll
+    for (int i = 0; i < kGemvRows; ++i) rows[i] = row + i;
+    warp_dot_rows<kGemvRows>(jobs.W[j], zero, rows, xs, v);
+    if (lane < kGemvRows) {
+      float vl = v[0];
+#pragma unroll
+      for (int i = 1; i < kGemvRows; ++i) vl = lane == i ? v[i] : vl;
+      float* o = jobs.out[j] + row + lane;
+      *o = jobs.accumulate ? *o + vl : vl;
+    }
+    return;
+  }
+  // a tail: the rows left in this job, then those of the jobs after it
+  for (int r = r0; r < r0 + kGemvRows && r < jobs.first[jobs.n]; ++r) {
+    while (r >= jobs.first[j + 1]) ++j;
+    const int rr = r - jobs.first[j];
+    float v;
+    warp_dot_rows<1>(jobs.W[j], zero, &rr, xs, &v);
+    if (lane == 0) {
+      float* o = jobs.out[j] + rr;
+      *o = jobs.accumulate ? *o + v : v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- GEMM on the tensor cores
+
+// Y[p, n] (+)= Σ_k W_e[n, k] · X[row(p), k] for the rows p of each group e (a dense matrix is one group of
+// M rows). Groups (MoE experts) are segments [offsets[e], offsets[e] + counts[e]) of p; X rows are gathered
+// through in_rows[p] / in_div when in_rows is given (the MoE's token of an assignment slot).
+struct GemmArgs {
+  LinDev W;
+  const float* X;
+  int ldx;
+  float* Y;
+  int ldy;
+  int M;
+  const int* counts;   // [E] or null
+  const int* offsets;  // [E] or null
+  const int* in_rows;  // or null
+  int in_div;
+  bool accumulate;
+};
+
+constexpr int kTileM = 64, kTileN = 128, kTileK = 64, kPadK = kTileK + 8, kPadN = kTileN + 4;
+
+__global__ void __launch_bounds__(256) gemm_kernel(GemmArgs a) {
+  using namespace nvcuda;
+  const int e = blockIdx.z;
+  const int base = a.offsets ? a.offsets[e] : 0;
+  const int count = a.counts ? a.counts[e] : a.M;
+  const int m0 = blockIdx.y * kTileM, n0 = blockIdx.x * kTileN;
+  if (m0 >= count) return;
+  constexpr int kABytes = kTileM * kPadK * 2, kBBytes = kTileN * kPadK * 2, kCBytes = kTileM * kPadN * 4;
+  constexpr int kBytes = kABytes + kBBytes > kCBytes ? kABytes + kBBytes : kCBytes;
+  __shared__ __align__(128) uint8_t smem[kBytes];
+  __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem);
+  __nv_bfloat16* Bs = reinterpret_cast<__nv_bfloat16*>(smem + kABytes);
+  float* Cs = reinterpret_cast<float*>(smem);
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;  // warp tile: rows wm·32, columns wn·32
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+
+  const int a_row = tid >> 2, a_col = (tid & 3) * 16;
+  const bool a_valid = m0 + a_row < count;
+  const float* a_src = nullptr;
+  if (a_valid) {
+    const int p = base + m0 + a_row;
+    const int xr = a.in_rows ? a.in_rows[p] / a.in_div : p;
+    a_src = a.X + int64_t(xr) * a.ldx;
+  }
+  const int b_row = tid >> 1, b_col = (tid & 1) * 32;
+  const bool b_valid = n0 + b_row < a.W.rows;
+  const int K = a.W.cols;
+
+  for (int k0 = 0; k0 < K; k0 += kTileK) {
+    {
+      __nv_bfloat16* dst = As + a_row * kPadK + a_col;
+      const int c = k0 + a_col;
+      if (a_valid && c < K) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float4 f = *reinterpret_cast<const float4*>(a_src + c + 4 * i);
+          dst[4 * i] = __float2bfloat16(f.x), dst[4 * i + 1] = __float2bfloat16(f.y);
+          dst[4 * i + 2] = __float2bfloat16(f.z), dst[4 * i + 3] = __float2bfloat16(f.w);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) dst[i] = __float2bfloat16(0.f);
+      }
+    }
+    {
+      __nv_bfloat16* dst = Bs + b_row * kPadK + b_col;
+      const int c = k0 + b_col;
+      if (b_valid && c < K) {
+        float v[32];
+        dequant32(a.W, e, n0 + b_row, c, v);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dst[i] = __float2bfloat16(v[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dst[i] = __float2bfloat16(0.f);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], As + (wm * 32 + 16 * i) * kPadK + kk, kPadK);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], Bs + (wn * 32 + 16 * j) * kPadK + kk, kPadK);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      wmma::store_matrix_sync(Cs + (wm * 32 + 16 * i) * kPadN + wn * 32 + 16 * j, acc[i][j], kPadN,
+                              wmma::mem_row_major);
+  __syncthreads();
+  for (int idx = tid; idx < kTileM * kTileN; idx += 256) {
+    const int r = idx / kTileN, c = idx % kTileN;
+    if (m0 + r >= count || n0 + c >= a.W.rows) continue;
+    float* y = a.Y + int64_t(base + m0 + r) * a.ldy + n0 + c;
+    const float v = Cs[r * kPadN + c];
+    *y = a.accumulate ? *y + v : v;
+  }
+}
+
+// ---------------------------------------------------------------- small row ops
+
+// x[t] ← E[tokens[t]]; a token outside [0, V) (only a device-selected one can be) gives a zero row.
+__global__ void embed_kernel(LinDev E, const int32_t* tokens, float* x, int H, int V) {
+  const int t = blockIdx.x, tok = tokens[t];
+  for (int c0 = threadIdx.x * 32; c0 < H; c0 += blockDim.x * 32) {
+    float v[32];
+    if (tok >= 0 && tok < V) dequant32(E, 0, tok, c0, v);
+    else
+      for (int i = 0; i < 32; ++i) v[i] = 0.f;
+    for (int i = 0; i < 32; ++i) x[int64_t(t) * H + c0 + i] = v[i];
+  }
+}
+
+__global__ void rmsnorm_kernel(const float* in, int ldi, float* out, int ldo, const float* w, int n, float eps) {
+  __shared__ float scratch[32];
+  const float* x = in + int64_t(blockIdx.x) * ldi;
+  float ss = 0.f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) ss += x[j] * x[j];
+  const float inv = rsqrtf(block_sum(ss, scratch) / float(n) + eps);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) out[int64_t(blockIdx.x) * ldo + j] = x[j] * inv * w[j];
+}
+
+// ---------------------------------------------------------------- attention
+
+// q ← RoPE(RMSNorm(q)·q_norm) into qbuf [T, n_q, d] (fp32); k likewise and v as is into the bf16 cache rows
+// pos + t. One block per (row, head), d threads.
+__global__ void attn_prepare_kernel(const float* q_gate, const float* k, const float* v, const float* q_norm,
+                                    const float* k_norm, float* qbuf, __nv_bfloat16* Kc, __nv_bfloat16* Vc,
+                                    int64_t cap, const int64_t* pos_dev, int n_q, int n_kv, int d, int rot,
+                                    float theta, float eps) {
+  __shared__ float scratch[32];
+  extern __shared__ float row[];
+  const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+  const int64_t p = *pos_dev + t;
+  const bool is_q = h < n_q;
+  const int kvh = h - n_q;
+  const float* src = is_q ? q_gate + (int64_t(t) * 2 * n_q + 2 * h) * d : k + (int64_t(t) * n_kv + kvh) * d;
+  const float x = src[j];
+  const float inv = rsqrtf(block_sum(x * x, scratch) / float(d) + eps);
+  row[j] = x * inv * (is_q ? q_norm : k_norm)[j];
+  __syncthreads();
+  float y = row[j];
+  const int half = rot / 2;
+  if (j < rot) {
+    const int f = j < half ? j : j - half;
+    const float freq = 1.f / powf(theta, float(2 * f) / float(rot));
+    const float ang = float(p) * freq, c = cosf(ang), s = sinf(ang);
+    y = j < half ? row[j] * c - row[j + half] * s : row[j] * c + row[j - half] * s;
+  }
+  if (is_q) {
+    qbuf[(int64_t(t) * n_q + h) * d + j] = y;
+  } else {
+    const int64_t at = (int64_t(kvh) * cap + p) * d + j;
+    Kc[at] = __float2bfloat16(y);
+    Vc[at] = __float2bfloat16(v[(int64_t(t) * n_kv + kvh) * d + j]);
+  }
+}
+
+constexpr int kMaxGroup = 8;  // query heads per KV head a warp serves (16 / 2 in the real model)
+
+// One warp per (row t, KV head, split of the keys): the group's G query heads against keys
+// [split·len, (split + 1)·len) of the causal range [0, pos + t]; each lane owns D/32 dimensions. With one
+// split the output is final (softmax, · σ(gate)) into mix; else partial (max, sum, unnormalised o) into part.
+template <int D>
+__global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc, int64_t cap,
+                                 const float* q_gate, float* mix, int ldmix, int T, int n_q, int n_kv, int splits,
+                                 const int64_t* pos_dev, float* part) {
+  constexpr int PL = D / 32;
+  const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (gw >= T * n_kv * splits) return;
+  const int split = gw % splits, kvh = (gw / splits) % n_kv, t = gw / (splits * n_kv);
+  const int G = n_q / n_kv;
+  const int64_t n = *pos_dev + t + 1;
+  const int64_t len = (n + splits - 1) / splits, s0 = split * len, s1 = s0 + len < n ? s0 + len : n;
+  const float scale = rsqrtf(float(D));
+  float q[kMaxGroup][PL], o[kMaxGroup][PL], m[kMaxGroup], l[kMaxGroup];
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    m[g] = -INFINITY, l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < PL; ++i) {
+      q[g][i] = g < G ? qbuf[(int64_t(t) * n_q + kvh * G + g) * D + lane * PL + i] * scale : 0.f;
+      o[g][i] = 0.f;
+    }
+  }
+  const __nv_bfloat16* Kh = Kc + int64_t(kvh) * cap * D + lane * PL;
+  const __nv_bfloat16* Vh = Vc + int64_t(kvh) * cap * D + lane * PL;
+  // keys in batches of kBatch, every load of a batch issued before its first use
+  constexpr int kBatch = 4;
+  for (int64_t sb = s0; sb < s1; sb += kBatch) {
+    float kv[kBatch][PL], vv[kBatch][PL];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t s = sb + b < s1 ? sb + b : s1 - 1;
+#pragma unroll
+      for (int i = 0; i < PL; ++i)
+        kv[b][i] = __bfloat162float(Kh[s * D + i]), vv[b][i] = __bfloat162float(Vh[s * D + i]);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (sb + b >= s1) break;
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        if (g >= G) break;
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < PL; ++i) dot = fmaf(q[g][i], kv[b][i], dot);
+        dot = warp_sum(dot);
+        const float mn = fmaxf(m[g], dot), corr = expf(m[g] - mn), p = expf(dot - mn);
+        l[g] = l[g] * corr + p;
+#pragma unroll
+        for (int i = 0; i < PL; ++i) o[g][i] = fmaf(o[g][i], corr, p * vv[b][i]);
+        m[g] = mn;
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g >= G) break;
+    const int h = kvh * G + g;
+    if (splits == 1) {
+      const float* gate = q_gate + (int64_t(t) * 2 * n_q + 2 * h) * D + D;
+#pragma unroll
+      for (int i = 0; i < PL; ++i) {
+        const int c = lane * PL + i;
+        mix[int64_t(t) * ldmix + h * D + c] = o[g][i] / l[g] * sigmoidf_(gate[c]);
+      }
+    } else {
+      float* pp = part + (int64_t(h) * splits + split) * (D + 2);
+#pragma unroll
+      for (int i = 0; i < PL; ++i) pp[2 + lane * PL + i] = o[g][i];
+      if (lane == 0) pp[0] = m[g], pp[1] = l[g];
+    }
+  }
+}
+
+// The splits of one decode row merged per query head (one block of d threads per head), then · σ(gate).
+__global__ void attention_combine_kernel(const float* part, int splits, int d, const float* q_gate, float* mix,
+                                         int n_q) {
+  const int h = blockIdx.x, c = threadIdx.x;
+  const float* ph = part + int64_t(h) * splits * (d + 2);
+  float mx = -INFINITY;
+#pragma unroll 16
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ph[s * (d + 2)]);
+  float l = 0.f, o = 0.f;
+#pragma unroll 16
+  for (int s = 0; s < splits; ++s) {
+    const float ms = ph[s * (d + 2)];
+    if (ms == -INFINITY) continue;
+    const float w = expf(ms - mx);
+    l += w * ph[s * (d + 2) + 1];
+    o += w * ph[s * (d + 2) + 2 + c];
+  }
+  mix[h * d + c] = o / l * sigmoidf_(q_gate[(2 * h) * d + d + c]);
+}
+
+// ---------------------------------------------------------------- Gated DeltaNet
+
+// Decode's causal depthwise conv + SiLU over [state rows ‖ chunk rows] per channel (one thread each, the rows
+// in sequence), then the state keeps the last k_c - 1 inputs.
+__global__ void gdn_conv_kernel(const float* qkv, float* conv_out, float* conv_state, const float* taps, int T, int C,
+                                int Kc) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= C) return;
+  float u[8];  // the window: k_c - 1 state inputs, then the current one (k_c <= 8, checked at construction)
+  for (int j = 0; j < Kc - 1; ++j) u[j] = conv_state[int64_t(j) * C + ch];
+  for (int t = 0; t < T; ++t) {
+    u[Kc - 1] = qkv[int64_t(t) * C + ch];
+    float acc = 0.f;
+    for (int j = 0; j < Kc; ++j) acc = fmaf(taps[ch * Kc + j], u[j], acc);
+    conv_out[int64_t(t) * C + ch] = siluf_(acc);
+    for (int j = 0; j < Kc - 1; ++j) u[j] = u[j + 1];
+  }
+  for (int j = 0; j < Kc - 1; ++j) conv_state[int64_t(j) * C + ch] = u[j];
+}
+
+// Decode's step (Fusions::gdn_step): the delta-rule recurrence of one value head for T rows with the q/k
+// l2-norm, the gates and the gated RMSNorm inside: one block per value head, two threads per column j of the state S [d_k, d_v], each holding half the column in registers
+// (2·d_v threads; the pair are neighbouring lanes and add their partial dot products with one shuffle).
+template <int DK>
+__global__ void gdn_scan_kernel(const float* conv, const float* beta_in, const float* alpha_in, const float* z,
+                                float* rec, const float* A_log, const float* dt_bias, const float* gnorm, float* mix,
+                                int ldmix, int T, int C, int nk, int nv, int dv, float eps) {
+  constexpr int HALF = DK / 2;
+  __shared__ float qs[DK], ks[DK], scratch[32];
+  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int j = threadIdx.x >> 1, i0 = (threadIdx.x & 1) * HALF;
+  const int kh = h / (nv / nk), Kd = nk * DK;
+  float* S = rec + int64_t(h) * DK * dv;
+  float col[HALF];
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) col[i] = S[(i0 + i) * dv + j];
+  const float A = expf(A_log[h]), dtb = dt_bias[h], w = gnorm[j];
+  const float qscale = rsqrtf(float(DK));
+  for (int t = 0; t < T; ++t) {
+    const float* row = conv + int64_t(t) * C;
+    // l2-normalised q (· d_k^-1/2) and k of the key head, one warp each
+    for (int which = warp; which < 2; which += warps) {
+      const float* src = row + which * Kd + kh * DK;
+      float* dst = which ? ks : qs;
+      float ss = 0.f;
+      for (int i = lane; i < DK; i += 32) ss += src[i] * src[i];
+      const float inv = rsqrtf(warp_sum(ss) + 1e-6f) * (which ? 1.f : qscale);
+      for (int i = lane; i < DK; i += 32) dst[i] = src[i] * inv;
+    }
+    __syncthreads();
+    const float beta = sigmoidf_(beta_in[int64_t(t) * nv + h]);
+    const float alpha = expf(-A * softplusf_(alpha_in[int64_t(t) * nv + h] + dtb));
+    float mk = 0.f;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+      col[i] *= alpha;
+      mk = fmaf(col[i], ks[i0 + i], mk);
+    }
+    mk += __shfl_xor_sync(0xffffffffu, mk, 1);
+    const float delta = beta * (row[2 * Kd + h * dv + j] - mk);
+    float o = 0.f;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+      col[i] = fmaf(ks[i0 + i], delta, col[i]);
+      o = fmaf(col[i], qs[i0 + i], o);
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    const float inv = rsqrtf(block_sum(i0 ? 0.f : o * o, scratch) / float(dv) + eps);
+    if (!i0) mix[int64_t(t) * ldmix + h * dv + j] = o * inv * w * siluf_(z[int64_t(t) * nv * dv + h * dv + j]);
+    __syncthreads();  // qs/ks are rewritten next row
+  }
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) S[(i0 + i) * dv + j] = col[i];
+}
+
+// Prefill's causal conv + SiLU, one thread per (row, channel): row t reads inputs t - k_c + 1 … t, those before
+// the chunk from the state (left as it was: gdn_conv_state_kernel moves it on afterwards).
+__global__ void gdn_conv_rows_kernel(const float* qkv, float* conv_out, const float* conv_state, const float* taps,
+                                     int T, int C, int Kc) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(T) * C) return;
+  const int t = int(idx / C), ch = int(idx % C);
+  float acc = 0.f;
+  for (int j = 0; j < Kc; ++j) {
+    const int src = t - (Kc - 1) + j;  // row of the input tap j multiplies; < 0: state row Kc - 1 + src
+    const float u = src >= 0 ? qkv[int64_t(src) * C + ch] : conv_state[int64_t(Kc - 1 + src) * C + ch];
+    acc = fmaf(taps[ch * Kc + j], u, acc);
+  }
+  conv_out[idx] = siluf_(acc);
+}
+
+// The conv state after a chunk of T rows: its last k_c - 1 inputs (state rows first when T < k_c - 1).
+__global__ void gdn_conv_state_kernel(const float* qkv, float* conv_state, int T, int C, int Kc) {
+  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ch >= C) return;
+  float u[8];
+  for (int j = 0; j < Kc - 1; ++j) {
+    const int src = T - (Kc - 1) + j;
+    u[j] = src >= 0 ? qkv[int64_t(src) * C + ch] : conv_state[int64_t(Kc - 1 + src) * C + ch];
+  }
+  for (int j = 0; j < Kc - 1; ++j) conv_state[int64_t(j) * C + ch] = u[j];
+}
+
+// Per (row, key head): q and k l2-normalised in place (q · d_k^-1/2); per (row, value head): the gates,
+// β = σ(b) into beta and the decay exp(-A·softplus(a + dt_bias)) into alpha, in place. One warp each.
+__global__ void gdn_prepare_kernel(float* conv, float* beta, float* alpha, const float* A_log, const float* dt_bias,
+                                   int T, int C, int nk, int nv, int dk) {
+  const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  const int per_row = 2 * nk + 1;
+  if (w >= T * per_row) return;
+  const int t = w / per_row, v = w % per_row;
+  if (v == 2 * nk) {
+    for (int h = lane; h < nv; h += 32) {
+      const int64_t i = int64_t(t) * nv + h;
+      beta[i] = sigmoidf_(beta[i]);
+      alpha[i] = expf(-expf(A_log[h]) * softplusf_(alpha[i] + dt_bias[h]));
+    }
+    return;
+  }
+  float* x = conv + int64_t(t) * C + int64_t(v) * dk;  // q heads then k heads: [q ‖ k ‖ v] row layout
+  float ss = 0.f;
+  for (int i = lane; i < dk; i += 32) ss += x[i] * x[i];
+  const float inv = rsqrtf(warp_sum(ss) + 1e-6f) * (v < nk ? rsqrtf(float(dk)) : 1.f);
+  for (int i = lane; i < dk; i += 32) x[i] *= inv;
+}
+
+// Prefill's delta-rule recurrence over T rows for 32 columns of one value head's state: four threads per
+// column, each a quarter of it in registers, partial products added with two shuffles; no barriers (q, k and
+// the gates were prepared by gdn_prepare_kernel), and row t + 1's inputs are loaded while row t is computed.
+// Writes the raw output o into mix (gdn_gated_norm_kernel finishes it). Grid (n_v, d_v / 32), 128 threads.
+template <int DK>
+__global__ void __launch_bounds__(128) gdn_scan_rows_kernel(const float* conv, const float* beta,
+                                                             const float* alpha, float* rec, float* mix, int ldmix,
+                                                             int T, int C, int nk, int nv, int dv) {
+  constexpr int Q = DK / 4;
+  const int h = blockIdx.x, j = blockIdx.y * 32 + (threadIdx.x >> 2), i0 = (threadIdx.x & 3) * Q;
+  const int kh = h / (nv / nk), Kd = nk * DK;
+  float* S = rec + int64_t(h) * DK * dv;
+  float col[Q];
+#pragma unroll
+  for (int i = 0; i < Q; ++i) col[i] = S[(i0 + i) * dv + j];
+  float q[Q], k[Q], v, b, a;
+  auto load = [&](int t, float* qd, float* kd, float& vd, float& bd, float& ad) {
+    const float* row = conv + int64_t(t) * C;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) qd[i] = row[kh * DK + i0 + i], kd[i] = row[Kd + kh * DK + i0 + i];
+    vd = row[2 * Kd + h * dv + j];
+    bd = beta[int64_t(t) * nv + h];
+    ad = alpha[int64_t(t) * nv + h];
+  };
+  load(0, q, k, v, b, a);
+  for (int t = 0; t < T; ++t) {
+    float qn[Q], kn[Q], vn = 0.f, bn = 0.f, an = 0.f;
+    if (t + 1 < T) load(t + 1, qn, kn, vn, bn, an);
+    float mk = 0.f;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) {
+      col[i] *= a;
+      mk = fmaf(col[i], k[i], mk);
+    }
+    mk += __shfl_xor_sync(0xffffffffu, mk, 1);
+    mk += __shfl_xor_sync(0xffffffffu, mk, 2);
+    const float delta = b * (v - mk);
+    float o = 0.f;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) {
+      col[i] = fmaf(k[i], delta, col[i]);
+      o = fmaf(col[i], q[i], o);
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    if (i0 == 0) mix[int64_t(t) * ldmix + h * dv + j] = o;
+#pragma unroll
+    for (int i = 0; i < Q; ++i) q[i] = qn[i], k[i] = kn[i];
+    v = vn, b = bn, a = an;
+  }
+#pragma unroll
+  for (int i = 0; i < Q; ++i) S[(i0 + i) * dv + j] = col[i];
+}
+
+// mix[t, head h] ← RMSNorm(o) · w ⊙ SiLU(z), in place; one block of d_v threads per (row, value head).
+__global__ void gdn_gated_norm_kernel(float* mix, int ldmix, const float* z, const float* w, int nv, int dv,
+                                      float eps) {
+  __shared__ float scratch[32];
+  const int t = blockIdx.x / nv, h = blockIdx.x % nv, j = threadIdx.x;
+  float* o = mix + int64_t(t) * ldmix + h * dv;
+  const float x = o[j];
+  const float inv = rsqrtf(block_sum(x * x, scratch) / float(dv) + eps);
+  o[j] = x * inv * w[j] * siluf_(z[int64_t(t) * nv * dv + h * dv + j]);
+}
+
+// ---------------------------------------------------------------- MoE
+
+// Router softmax over E logits, top-k (ties to the lower id, as the reference), renormalised weights. One
+// warp per row, the row's logits in shared memory (E floats per warp): K rounds of a warp argmax, each taken
+// logit then set to -inf.
+__global__ void topk_kernel(const float* logits, int E, int K, int T, int32_t* ids, float* weights) {
+  extern __shared__ float rows[];
+  const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + wi;
+  if (t >= T) return;
+  const float* p = logits + int64_t(t) * E;
+  float* l = rows + wi * E;
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e] = p[e]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  for (int e = lane; e < E; e += 32) sum += expf(l[e] - mx);
+  sum = warp_sum(sum);
+  __syncwarp();
+  float mine = 0.f, top = 0.f;  // lane k keeps the k-th weight
+  int mine_id = 0;
+  for (int k = 0; k < K; ++k) {
+    float best = -INFINITY;
+    int bi = 1 << 30;
+    for (int e = lane; e < E; e += 32)
+      if (l[e] > best) best = l[e], bi = e;  // e grows: the first maximum of this lane's share
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
+    }
+    const float pw = expf(best - mx) / sum;
+    top += pw;
+    if (lane == k) mine = pw, mine_id = bi;
+    __syncwarp();
+    if (lane == 0) l[bi] = -INFINITY;
+    __syncwarp();
+  }
+  if (lane < K) {
+    ids[int64_t(t) * K + lane] = mine_id;
+    weights[int64_t(t) * K + lane] = mine / top;
+  }
+}
+
+// Assignment slots s = t·K + j grouped by expert: counts, offsets (exclusive scan), perm[position] = slot and
+// inv[slot] = position. One block; the order inside a group is whatever the atomics give (each slot's result
+// is computed on its own, so the outputs do not depend on it).
+__global__ void moe_group_kernel(const int32_t* ids, int slots, int E, int* counts, int* offsets, int* perm, int* inv) {
+  extern __shared__ int sh[];
+  int* cnt = sh;
+  int* fill = sh + E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0, fill[e] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) atomicAdd(&cnt[ids[s]], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int e = 0; e < E; ++e) offsets[e] = acc, counts[e] = cnt[e], acc += cnt[e];
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    const int e = ids[s], at = offsets[e] + atomicAdd(&fill[e], 1);
+    perm[at] = s;
+    inv[s] = at;
+  }
+}
+
+__global__ void swiglu_kernel(const float* g, const float* u, float* h, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) h[i] = siluf_(g[i]) * u[i];
+}
+
+// x[t] += Σ_j w[t, j] · Y[inv[t·K + j]] + σ(sg[t]) · SY[t].
+__global__ void moe_combine_kernel(float* x, const float* Y, const float* SY, const float* sg, const float* w,
+                                   const int* inv, int K, int H) {
+  const int t = blockIdx.x;
+  const float gate = sigmoidf_(sg[t]);
+  for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < K; ++j) acc = fmaf(w[t * K + j], Y[int64_t(inv[t * K + j]) * H + c], acc);
+    x[int64_t(t) * H + c] += acc + gate * SY[int64_t(t) * H + c];
+  }
+}
+
+// Decode: h_j ← SiLU(gate_e · xn) ⊙ (up_e · xn) for the K routed experts e = ids[j] (blockIdx.y = j) and the
+// shared expert (blockIdx.y = K); kGemvRows rows per warp.
+__global__ void __launch_bounds__(kGemvWarps * 32) moe_gate_up_kernel(LinDev gate, LinDev up, LinDev sgate,
+                                                                       LinDev sup, const float* xn, int H,
+                                                                       const int32_t* ids, int K, float* h,
+                                                                       int ldh) {
+  extern __shared__ float xs[];
+  stage(xn, H, xs);
+  __syncthreads();
+  const int slot = blockIdx.y, r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
+  const bool shared = slot == K;
+  const int rows_of = shared ? sgate.rows : gate.rows;
+  if (r0 >= rows_of) return;
+  const int e = shared ? 0 : ids[slot];
+  int es[kGemvRows], rows[kGemvRows];
+#pragma unroll
+  for (int i = 0; i < kGemvRows; ++i) es[i] = e, rows[i] = min(r0 + i, rows_of - 1);
+  float g[kGemvRows], u[kGemvRows];
+  if (shared) {
+    warp_dot_rows<kGemvRows>(sgate, es, rows, xs, g);
+    warp_dot_rows<kGemvRows>(sup, es, rows, xs, u);
+  } else {
+    warp_dot_rows<kGemvRows>(gate, es, rows, xs, g);
+    warp_dot_rows<kGemvRows>(up, es, rows, xs, u);
+  }
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < kGemvRows; ++i)
+    if (lane == i && r0 + i < rows_of) h[slot * ldh + r0 + i] = siluf_(g[i]) * u[i];
+}
+
+// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]; one warp per row, its
+// lanes over the (expert, 32-column chunk) pairs four loads at a time, the weighted sum reduced once.
+__global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, LinDev sdown, const float* h, int ldh,
+                                                                    const int32_t* ids, const float* w,
+                                                                    const float* sg, int K, float* x) {
+  extern __shared__ float hs[];  // [(K + 1) · ldh] h, then the K routing weights and expert ids
+  float* ws = hs + (K + 1) * ldh;
+  int* es = reinterpret_cast<int*>(ws + K);
+  stage(h, (K + 1) * ldh, hs);
+  if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
+  __syncthreads();
+  const int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (r >= down.rows) return;
+  const float shared_w = sigmoidf_(*sg);
+  float acc = 0.f;
+  if (down.bits == 4 && sdown.bits == 4 && down.cols == sdown.cols) {
+    const int n = down.cols / 32, items = (K + 1) * n;
+    for (int it0 = lane; it0 < items; it0 += 4 * 32) {
+      Q4Chunk c[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int it = min(it0 + 32 * b, items - 1), j = it / n, c0 = (it % n) * 32;
+        c[b] = j < K ? load_q4(down, es[j], r, c0) : load_q4(sdown, 0, r, c0);
+      }
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int it = it0 + 32 * b;
+        if (it >= items) break;
+        const int j = it / n, c0 = (it % n) * 32;
+        acc += (j < K ? ws[j] : shared_w) * dot_q4(c[b], hs + j * ldh + c0, 0.f);
+      }
+    }
+    acc = warp_sum(acc);
+  } else {
+    for (int j = 0; j < K; ++j) acc += ws[j] * warp_dot_row(down, es[j], r, hs + j * ldh);
+    acc += shared_w * warp_dot_row(sdown, 0, r, hs + K * ldh);
+  }
+  if (lane == 0) x[r] += acc;
+}
+
+// ---------------------------------------------------------------- token selection
+
+// The first maximum of logits[V] into *token (greedy, no penalties): one block.
+__global__ void argmax_kernel(const float* logits, int V, int32_t* token) {
+  __shared__ float bv[32];
+  __shared__ int bi[32];
+  float best = -INFINITY;
+  int idx = 1 << 30;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = logits[i];
+    if (v > best) best = v, idx = i;  // i grows per thread: the first maximum of this thread's share
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) bv[warp] = best, bi[warp] = idx;
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < (blockDim.x >> 5) ? bv[lane] : -INFINITY;
+    idx = lane < (blockDim.x >> 5) ? bi[lane] : 1 << 30;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+      if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+    }
+    if (lane == 0) *token = idx;
+  }
+}
+
+}  // namespace lily::cuda
