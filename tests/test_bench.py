@@ -178,11 +178,11 @@ class _Bar:
         self.closed = True
 
 
-def test_progress_covers_the_sweep_and_the_ablations(tmp_path, monkeypatch):
+def test_progress_covers_the_sweep_and_the_ablations(tmp_path, monkeypatch, gpu_backend):
     bars = []
     monkeypatch.setattr(bench, "progress_bar", lambda *a, **k: bars.append(_Bar(*a, **k)) or bars[-1])
     monkeypatch.setattr(bench, "ABLATIONS", {k: bench.ABLATIONS[k] for k in list(bench.ABLATIONS)[:2]})
-    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", "metal-emu", "--lengths", "8,16",
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", gpu_backend, "--lengths", "8,16",
                                  "--contexts", "8", "--decode-tokens", "1", "--repeats", "2", "--warmup", "1",
                                  "--counters", "--ablations", "--json", str(tmp_path / "p.json")])
     assert args.func(args) == 0
@@ -202,14 +202,14 @@ def test_progress_bar_is_tqdm_auto():
         bar.close()
 
 
-def test_counters_go_to_the_json_not_stdout(tmp_path, capsys):
-    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", "metal-emu", "--lengths", "8",
+def test_counters_go_to_the_json_not_stdout(tmp_path, capsys, gpu_backend):
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", gpu_backend, "--lengths", "8",
                                  "--contexts", "8", "--decode-tokens", "1", "--repeats", "1", "--warmup", "0",
                                  "--counters", "--quiet"])
     assert args.func(args) == 2  # refused before anything runs: no JSON to put them in
     assert "--json" in capsys.readouterr().err
     out = tmp_path / "c.json"
-    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", "metal-emu", "--lengths", "8",
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", gpu_backend, "--lengths", "8",
                                  "--contexts", "8", "--decode-tokens", "1", "--repeats", "1", "--warmup", "0",
                                  "--counters", "--quiet", "--json", str(out)])
     assert args.func(args) == 0
