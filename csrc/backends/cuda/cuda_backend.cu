@@ -101,7 +101,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
     cudaStreamSynchronize(stream_);
-    for (void* p : allocations_) cudaFree(p);
+    cudaFree(arena_);
     for (float* p : act_) cudaFree(p);
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, attn_part_, router_, shared_logit_, route_ids_,
                                                 route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_, ybuf_, sy_,
@@ -533,9 +533,20 @@ class CudaBackend final : public Backend {
     need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));
   }
 
-  // ---- weights: every Linear's tensors copied once into their own device allocation (16-byte aligned, as the
-  // kernels' vector loads need); Vecs likewise as fp32.
+  // ---- weights: every Linear's tensors and every Vec (fp32) copied once into one device allocation, each at a
+  // 256-byte boundary (the kernels' 16-byte vector loads need 16): one allocation, so the weights a step
+  // touches lie in as few pages as they can. Two walks: the first only sizes the allocation.
   void upload_weights() {
+    sizing_ = true;
+    upload_walk();
+    CK(cudaMalloc(reinterpret_cast<void**>(&arena_), arena_used_));
+    sizing_ = false;
+    arena_used_ = 0;
+    upload_walk();
+    CK(cudaDeviceSynchronize());
+  }
+
+  void upload_walk() {
     embed_ = lin_upload(m_.embed);
     lin_upload(m_.lm_head);
     vec_upload(m_.norm);
@@ -548,16 +559,14 @@ class CudaBackend final : public Backend {
                               &L.moe.shared_gate_proj, &L.moe.shared_up, &L.moe.shared_down, &L.moe.shared_gate})
         if (W->w) lin_upload(*W);
     }
-    CK(cudaDeviceSynchronize());
   }
 
   const uint8_t* copy_span(const uint8_t* host, uint64_t bytes) {
-    void* p = nullptr;
-    CK(cudaMalloc(&p, bytes));
-    allocations_.push_back(p);
-    CK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
-    weight_bytes_ += bytes;
-    return static_cast<const uint8_t*>(p);
+    const uint64_t at = (arena_used_ + 255) / 256 * 256;
+    arena_used_ = at + bytes;
+    if (sizing_) return nullptr;
+    CK(cudaMemcpy(arena_ + at, host, bytes, cudaMemcpyHostToDevice));
+    return arena_ + at;
   }
 
   LinDev lin_upload(const Linear& W) {
@@ -693,8 +702,9 @@ class CudaBackend final : public Backend {
   const ModelConfig& c_;
   const int rows_;
   cudaStream_t stream_ = nullptr;
-  std::vector<void*> allocations_;
-  uint64_t weight_bytes_ = 0;
+  uint8_t* arena_ = nullptr;  // every weight (upload_weights)
+  uint64_t arena_used_ = 0;
+  bool sizing_ = false;
   std::unordered_map<const Linear*, LinDev> lins_;
   std::unordered_map<const Vec*, const float*> vecs_;
   LinDev embed_;
