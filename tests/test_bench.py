@@ -39,7 +39,7 @@ def test_parse_lengths_and_round_order():
     assert seq == ["lily", "mlx-lm", "mlx-lm", "lily", "lily", "mlx-lm", "mlx-lm", "lily"]
 
 
-def test_bench_vs_mlx_alternates_and_writes_json_and_png(tmp_path):
+def test_bench_vs_mlx_alternates_and_writes_json_and_png(tmp_path, capsys, monkeypatch):
     pytest.importorskip("mlx_lm")
     pytest.importorskip("matplotlib")
     q4 = tm.get_model(tm.BASE, "mlx_q4_bf16")
@@ -47,10 +47,19 @@ def test_bench_vs_mlx_alternates_and_writes_json_and_png(tmp_path):
     args = _parser().parse_args(["bench", "--model", str(q4), "--lengths", "16,32", "--contexts", "16",
                                  "--decode-tokens", "3", "--repeats", "3", "--vs", "mlx-lm", "--quiet",
                                  "--json", str(out_json), "--plot", str(out_png)])
+    titles = []
+    import matplotlib.figure
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (
+        titles.extend(ax.get_title() for ax in fig.axes), save(fig, *a, **k))[1])
     assert args.func(args) == 0
     res = json.loads(out_json.read_text())
     assert TOP_KEYS <= set(res)
     assert res["engines"] == ["lily", "mlx-lm"]
+    if res["engine_info"]["mlx-lm"]["device"] == "cpu":  # no Metal GPU here: the table and plot say so
+        assert res["engine_info"]["mlx-lm"]["float32_cast"] is True
+        assert "MLX-LM ran on its CPU backend in float32" in capsys.readouterr().out
+        assert any("CPU backend in float32" in t for t in titles), titles
     assert [e["length"] for e in res["prefill"]] == [16, 32]
     assert [e["context"] for e in res["decode"]] == [16]
     for e in res["prefill"]:
@@ -151,3 +160,103 @@ def test_missing_optional_packages_are_named(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "mlx_lm.generate", None)
     with pytest.raises(ImportError, match="pip install mlx-lm"):
         bench.MlxRunner(tmp_path)
+
+
+class _Bar:
+    """Stands in for the tqdm bar: how far bench moved it, and that it closed it."""
+
+    def __init__(self, total, enabled=True, desc="bench"):
+        self.total, self.desc, self.n, self.closed, self.steps = total, desc, 0, False, []
+
+    def update(self, k=1):
+        self.n += k
+
+    def set_postfix_str(self, s):
+        self.steps.append(s)
+
+    def close(self):
+        self.closed = True
+
+
+def test_progress_covers_the_sweep_and_the_ablations(tmp_path, monkeypatch, gpu_backend):
+    bars = []
+    monkeypatch.setattr(bench, "progress_bar", lambda *a, **k: bars.append(_Bar(*a, **k)) or bars[-1])
+    monkeypatch.setattr(bench, "ABLATIONS", {k: bench.ABLATIONS[k] for k in list(bench.ABLATIONS)[:2]})
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", gpu_backend, "--lengths", "8,16",
+                                 "--contexts", "8", "--decode-tokens", "1", "--repeats", "2", "--warmup", "1",
+                                 "--counters", "--ablations", "--json", str(tmp_path / "p.json")])
+    assert args.func(args) == 0
+    got = {b.desc: (b.n, b.total, b.closed) for b in bars}
+    # warm-up 2 + prefill 2 lengths x 2 rounds + decode 1 context x (2 rounds + its prefill)
+    assert got == {"bench": (9, 9, True), "ablations": (2, 2, True)}
+    assert bars[1].steps == list(bench.ABLATIONS)
+
+
+def test_progress_bar_is_tqdm_auto():
+    import tqdm.auto
+    from lily.bench import progress_bar
+    bar = progress_bar(3, enabled=True, desc="x")
+    try:
+        assert isinstance(bar, tqdm.auto.tqdm) and bar.total == 3
+    finally:
+        bar.close()
+
+
+def test_counters_go_to_the_json_not_stdout(tmp_path, capsys, gpu_backend):
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", gpu_backend, "--lengths", "8",
+                                 "--contexts", "8", "--decode-tokens", "1", "--repeats", "1", "--warmup", "0",
+                                 "--counters", "--quiet"])
+    assert args.func(args) == 2  # refused before anything runs: no JSON to put them in
+    assert "--json" in capsys.readouterr().err
+    out = tmp_path / "c.json"
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--backend", gpu_backend, "--lengths", "8",
+                                 "--contexts", "8", "--decode-tokens", "1", "--repeats", "1", "--warmup", "0",
+                                 "--counters", "--quiet", "--json", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert len(printed.splitlines()) < 15 and "dispatches" not in printed
+    c = json.loads(out.read_text())["counters"]
+    assert c["prefill"]["8"]["last"]["dispatches"] > 0 and c["decode"]["8"]["last"]["dispatches"] > 0
+
+
+def test_plot_needs_matplotlib_before_anything_runs(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("ran before checking matplotlib"))
+    import lily.cli
+    monkeypatch.setattr(lily.cli, "load_engine", lambda *a, **k: pytest.fail("loaded before checking matplotlib"))
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--plot", str(tmp_path / "x.png")])
+    assert args.func(args) == 2
+    assert "matplotlib" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_ctrl_c_leaves_the_json_of_what_finished(monkeypatch, tmp_path, capsys):
+    calls = []
+    real = bench.LilyRunner.prefill
+
+    def prefill(self, ids):
+        calls.append(len(ids))
+        if len(ids) == 16:
+            raise KeyboardInterrupt
+        return real(self, ids)
+
+    monkeypatch.setattr(bench.LilyRunner, "prefill", prefill)
+    out = tmp_path / "i.json"
+    args = _parser().parse_args(["bench", "--model", "synthetic:tiny", "--lengths", "8,16", "--contexts", "8",
+                                 "--decode-tokens", "2", "--repeats", "2", "--warmup", "0", "--quiet",
+                                 "--json", str(out)])
+    assert args.func(args) == 130
+    res = json.loads(out.read_text())
+    assert res["interrupted"] is True and calls == [8, 8, 16]
+    assert [e["length"] for e in res["prefill"]] == [8] and res["decode"] == []
+    assert len(res["prefill"][0]["lily"]["seconds"]) == 2
+    assert "interrupted" in capsys.readouterr().out
+    assert bench.cpu_float32_note(res) is None  # lily only: nothing to say about MLX
+
+
+def test_cpu_float32_note():
+    res = {"engines": ["lily", "mlx-lm"], "prefill": [], "decode": [], "ratio_mean": None, "skipped": [],
+           "settings": {"decode_tokens": 1}, "memory": {"peak_rss_mb": 1.0, "peak_anon_rss_mb": None},
+           "engine_info": {"lily": {}, "mlx-lm": {"device": "cpu", "float32_cast": True}}}
+    assert "not the Mac comparison" in bench.format_table(res)
+    res["engine_info"]["mlx-lm"] = {"device": "gpu", "float32_cast": False}
+    assert "CPU" not in bench.format_table(res)

@@ -114,7 +114,8 @@ def test_sharded_writer_roundtrip(tmp_path):
     tensors = {f"t{i}": rng.standard_normal((17 + i, 33)).astype(np.float32) for i in range(6)}
     tensors["u"] = rng.integers(0, 2 ** 32, (7, 5), dtype=np.uint32)
     tensors["b"] = cv.f32_to_bf16(rng.standard_normal((9, 4)).astype(np.float32))
-    plan = [(k, v.shape, "BF16" if k == "b" else cv._np_to_st(v)) for k, v in tensors.items()]
+    st_dtype = {"b": "BF16", "u": "U32"}
+    plan = [(k, v.shape, st_dtype.get(k, "F32")) for k, v in tensors.items()]
     w = cv.ShardedWriter(tmp_path, plan, max_shard_bytes=6000)
     for k, v in reversed(list(tensors.items())):  # any order, row slices
         w.write(k, v[3:], 3)
@@ -138,6 +139,30 @@ def test_sharded_writer_roundtrip(tmp_path):
     w2.write("u", tensors["u"])
     with pytest.raises(RuntimeError):
         w2.close()
+
+
+def test_write_file_is_read_back_by_the_safetensors_package(tmp_path):
+    from safetensors import safe_open
+
+    from lily import safetensors_io
+    rng = np.random.default_rng(1)
+    f = rng.standard_normal((3, 5)).astype(np.float32)
+    b = cv.f32_to_bf16(rng.standard_normal(7).astype(np.float32))
+    path = tmp_path / "s.safetensors"
+    safetensors_io.write_file(path, [("live.f", "F32", [3, 5], f.tobytes()), ("live.b", "BF16", [7], b.tobytes())],
+                              {"note": "x"})
+    assert not (tmp_path / "s.safetensors.tmp").exists()
+    with safe_open(str(path), "np") as h:
+        assert h.metadata() == {"note": "x"} and set(h.keys()) == {"live.f", "live.b"}
+        np.testing.assert_array_equal(h.get_tensor("live.f"), f)
+        assert h.get_slice("live.b").get_dtype() == "BF16"
+    np.testing.assert_array_equal(np.array(mx.load(str(path))["live.b"].view(mx.uint16)), b)
+    sf = cv.SafetensorsFile(path)
+    np.testing.assert_array_equal(sf.get("live.b"), b)
+    assert sf.metadata == {"note": "x"}
+    (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ValueError, match=r"cut.safetensors: tensor live\.\w ends at byte \d+ but the file has"):
+        cv.SafetensorsFile(tmp_path / "cut.safetensors")
 
 
 # ----------------------------------------------------------------------------- converter vs mlx_lm.convert

@@ -199,6 +199,35 @@ def test_models_and_health(live, client):
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_unknown_model_is_404_unless_an_alias(engine, core):
+    s = LiveServer(create_app(engine, model_name=MODEL, aliases=["gpt-4o-mini", MODEL, "qwen"]))
+    try:
+        c = s.client()
+        assert [m.id for m in c.models.list().data] == [MODEL, "gpt-4o-mini", "qwen"]
+        assert c.models.retrieve("qwen").id == "qwen"
+        for name in ("gpt-4o-mini", "qwen"):  # an alias answers, and the response names the model asked for
+            r = c.chat.completions.create(model=name, messages=USER, max_tokens=2, temperature=0)
+            assert r.model == name and r.usage.completion_tokens >= 1
+        r = c.completions.create(model="qwen", prompt="Hello", max_tokens=2, temperature=0)
+        assert r.model == "qwen"
+        core.reset()
+        for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "Hi"}),):
+            r = httpx.post(s.url + path, json={"model": "gpt-5", "max_tokens": 2, **body})
+            err = r.json()["error"]
+            assert r.status_code == 404 and err["code"] == "model_not_found" and err["param"] == "model", r.text
+            assert "'gpt-5'" in err["message"] and "'qwen'" in err["message"]
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="tiny2", messages=USER, max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("gpt-5")
+        assert core.steps == 0 and core.fed == 0  # refused before any work
+        enum = httpx.get(s.url + "/openapi.json").json()["components"]["schemas"]
+        assert any(v.get("properties", {}).get("model", {}).get("enum") == [MODEL, "gpt-4o-mini", "qwen"]
+                   for v in enum.values())
+    finally:
+        s.close()
+
+
 def test_chat_nonstreaming_and_streaming_agree(client, caplog):
     kw = dict(model=MODEL, messages=USER, max_tokens=12, temperature=0)
     with caplog.at_level(logging.INFO, logger="lily.server.access"):
@@ -406,7 +435,8 @@ def test_serve_cli(engine, monkeypatch):
     import lily.server as srv
     parser = argparse.ArgumentParser(prog="lily")
     srv.add_serve_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--model", "synthetic:tiny", "--max-context", "512", "--max-queue", "2"])
+    args = parser.parse_args(["serve", "--model", "synthetic:tiny", "--max-context", "512", "--max-queue", "2",
+                              "--alias", "a", "--alias", "b"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.func is srv.cmd_serve
     got = {}
     monkeypatch.setattr(srv, "serve", lambda e, **kw: got.update(kw, engine=e))
@@ -414,6 +444,7 @@ def test_serve_cli(engine, monkeypatch):
     assert args.func(args) == 0
     assert got["api_key"] == "from-env" and got["host"] == "127.0.0.1" and got["max_queue"] == 2
     assert got["engine"].max_context == 512 and got["model_name"] == "synthetic:tiny"
+    assert got["aliases"] == ["a", "b"]
 
 
 # ------------------------------------------------------------------------------------------------ scheduling

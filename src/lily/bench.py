@@ -27,9 +27,11 @@ Method (the write-up's sweep):
   the session and its fork, for each engine, plus MLX's attention scores for one prefill step) against the
   available memory; skipped lengths are reported with the reason.
 
-MLX-LM is an optional comparison engine, imported only for --vs mlx-lm (pip install mlx-lm; on Linux also
-mlx[cpu]). On Apple silicon it runs on the GPU in the checkpoint's dtype; elsewhere on MLX's CPU backend with the
-floating parameters cast to float32 (the CPU backend cannot run bf16 MoE), which is slow and only a CPU figure.
+MLX-LM is an optional comparison engine (lily.mlx_lm_runner, shared with `lily eval`), imported only for
+--vs mlx-lm. On Apple silicon it runs on the GPU in the checkpoint's dtype; elsewhere on MLX's CPU backend with
+the floating parameters cast to float32, which is slow and only a CPU figure: the table and the plot say so.
+
+A run stopped with Ctrl-C returns (and `lily bench --json` writes) what finished, with "interrupted": true.
 """
 from __future__ import annotations
 
@@ -226,89 +228,35 @@ class MlxRunner:
     name = "mlx-lm"
 
     def __init__(self, path: str | os.PathLike, float32: bool | None = None):
-        try:
-            import mlx.core as mx
-            from mlx.utils import tree_map
-            from mlx_lm.generate import generate_step, generation_stream
-            from mlx_lm.models.cache import make_prompt_cache
-            from mlx_lm.utils import load_model
-        except ImportError as e:
-            raise ImportError(f"--vs mlx-lm needs MLX-LM, which is not installed ({e}); install it with "
-                              "`pip install mlx-lm` (on Linux also `pip install 'mlx[cpu]'`)") from None
-        self.mx, self._generate_step, self._stream = mx, generate_step, generation_stream
-        self._make_cache = make_prompt_cache
-        gpu = bool(getattr(mx, "metal", None) and mx.metal.is_available())
-        if not gpu:
-            mx.set_default_device(mx.cpu)
-        # mlx_lm.load without the tokenizer (token ids are fed directly): load_model is its model half.
-        self.model, _ = load_model(Path(path))
-        cast = (not gpu) if float32 is None else float32
-        if cast:  # MLX's CPU backend cannot run bf16 MoE (gather_mm is f32-only): cast like tests/tinymodels.py
-            self.model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                                       self.model.parameters()))
-        mx.eval(self.model.parameters())
-        try:
-            from importlib.metadata import version
-            v = {"mlx": version("mlx"), "mlx_lm": version("mlx-lm")}
-        except Exception:  # noqa: BLE001
-            v = {}
-        self.info = {"device": "gpu" if gpu else "cpu", "float32_cast": cast, **v}
-
-    def _run(self, prompt, cache, max_tokens: int) -> None:
-        for _ in self._generate_step(self.mx.array(prompt, dtype=self.mx.uint32), self.model,
-                                     max_tokens=max_tokens, prompt_cache=cache):
-            pass
-        self.mx.synchronize(self._stream)
+        from .mlx_lm_runner import MlxLM
+        self.mlx = MlxLM(path, float32)
+        self.info = self.mlx.info
 
     def prefill(self, ids: np.ndarray) -> float:
-        cache = self._make_cache(self.model)
+        cache = self.mlx.new_cache()
         t0 = time.perf_counter()
-        self._run(ids, cache, 0)
+        self.mlx.generate(ids, cache, 0)
         return time.perf_counter() - t0
 
     def context(self, ids: np.ndarray):
-        cache = self._make_cache(self.model)
-        self._run(ids, cache, 0)
+        cache = self.mlx.new_cache()
+        self.mlx.generate(ids, cache, 0)
         return cache
 
     def decode(self, ctx, first: int, n: int) -> float:
         cache = copy.deepcopy(ctx)
-        self.mx.eval([c.state for c in cache])
+        self.mlx.eval_cache(cache)
         t0 = time.perf_counter()
-        self._run(np.array([first]), cache, n - 1)  # the first token's pass + n-1 more: n forward passes
+        self.mlx.generate(np.array([first]), cache, n - 1)  # the first token's pass + n-1 more: n forward passes
         return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------- harness
 
-class Progress:
-    """A one-line progress bar on stderr (a line per step when stderr is not a terminal)."""
-
-    def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.total, self.done, self.enabled = max(total, 1), 0, enabled
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.t0 = time.perf_counter()
-
-    def step(self, what: str) -> None:
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        bar = "#" * int(frac * 30)
-        line = f"[{bar:<30}] {self.done}/{self.total} {time.perf_counter() - self.t0:6.0f}s  {what}"
-        if self.tty:
-            self.stream.write("\r" + line[:120].ljust(120))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def advance(self) -> None:
-        self.done += 1
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\r" + " " * 120 + "\r")
-            self.stream.flush()
+def progress_bar(total: int, enabled: bool = True, desc: str = "bench"):
+    """A tqdm.auto bar on stderr (a widget in Jupyter); `set_postfix_str` names the step running."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, disable=not enabled, desc=desc, unit="run", dynamic_ncols=True, leave=False)
 
 
 def round_order(r: int, engines: list[str]) -> list[str]:
@@ -343,7 +291,7 @@ def with_switches(base: dict | None, ablation: dict) -> dict:
 
 
 def ablation_counters(checkpoint, backend: str, *, prompt_tokens: int, decode_tokens: int = 3, seed: int = 0,
-                      **engine_kwargs) -> dict:
+                      progress: bool = False, **engine_kwargs) -> dict:
     """Counters of one greedy generation (a prompt of `prompt_tokens` random ids, then `decode_tokens` tokens)
     per ablation of ABLATIONS, each on a fresh engine (engine_kwargs with the ablation's switches merged in): the
     prompt's last prefill chunk, the last decode step, and per generated token the CPU waits and the drained
@@ -351,13 +299,17 @@ def ablation_counters(checkpoint, backend: str, *, prompt_tokens: int, decode_to
     from .engine import Engine
     ids = np.random.default_rng(seed).integers(0, checkpoint.config.vocab_size, size=prompt_tokens).tolist()
     out = {}
+    bar = progress_bar(len(ABLATIONS), progress, desc="ablations")
     for name, switches in ABLATIONS.items():
+        bar.set_postfix_str(name)
         e = Engine(checkpoint, backend=backend, **with_switches(engine_kwargs, switches))
         e.generate(ids, max_tokens=decode_tokens, temperature=0)
         c = e.counters()
         out[name] = {"options": switches, "prefill": c["prefill"]["last"], "decode": c["decode"]["last"],
                      "per_token": {k: (c["decode"]["total"][k] + c["prefill"]["total"][k]) / decode_tokens
                                    for k in ("cpu_waits", "cpu_waits_drained")}}
+        bar.update()
+    bar.close()
     return out
 
 
@@ -437,82 +389,87 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
     use_counters = counters and bool(engine.counters())
     total = (len(lengths) * repeats + len(contexts) * (repeats + 1)) * len(runners) + (
         warmup * len(runners) * (bool(lengths) + bool(contexts)))
-    bar = Progress(total, progress)
+    bar = progress_bar(total, progress)
 
+    interrupted = False
     with MemorySampler() as mem:
-        # Warm-up: untimed, at the smallest length, every engine and phase.
-        for w in range(warmup):
-            for r in runners:
-                mem.mark(r.name)
-                if lengths:
-                    bar.step(f"warm-up prefill {min(lengths)} {r.name}")
-                    r.prefill(prompts[min(lengths)])
-                    bar.advance()
-                    order.append({"phase": "prefill", "length": min(lengths), "round": w, "engine": r.name,
-                                  "warmup": True})
-                if contexts:
-                    c = min(contexts)
-                    bar.step(f"warm-up decode {c} {r.name}")
-                    r.decode(r.context(ctx_ids[c]), firsts[c], decode_tokens)
-                    bar.advance()
-                    order.append({"phase": "decode", "length": c, "round": w, "engine": r.name, "warmup": True})
+        try:
+            # Warm-up: untimed, at the smallest length, every engine and phase.
+            for w in range(warmup):
+                for r in runners:
+                    mem.mark(r.name)
+                    if lengths:
+                        bar.set_postfix_str(f"warm-up prefill {min(lengths)} {r.name}")
+                        r.prefill(prompts[min(lengths)])
+                        bar.update()
+                        order.append({"phase": "prefill", "length": min(lengths), "round": w, "engine": r.name,
+                                      "warmup": True})
+                    if contexts:
+                        c = min(contexts)
+                        bar.set_postfix_str(f"warm-up decode {c} {r.name}")
+                        r.decode(r.context(ctx_ids[c]), firsts[c], decode_tokens)
+                        bar.update()
+                        order.append({"phase": "decode", "length": c, "round": w, "engine": r.name, "warmup": True})
 
-        for n in lengths:
-            secs = {name: [] for name in names}
-            for rnd in range(repeats):
-                for name in round_order(rnd, names):
-                    r = runners[names.index(name)]
-                    bar.step(f"prefill {n:>6} round {rnd + 1}/{repeats} {name}")
-                    mem.mark(name)
-                    before = engine.counters() if use_counters and name == "lily" else None
-                    secs[name].append(r.prefill(prompts[n]))
-                    if before is not None and rnd == 0:
-                        after = engine.counters()
-                        counter_out["prefill"][str(n)] = {"run": _counter_delta(after["prefill"]["total"], before["prefill"]["total"]),
-                                                          "last": after["prefill"]["last"]}
-                    order.append({"phase": "prefill", "length": n, "round": rnd, "engine": name})
-                    bar.advance()
-            entry = {"length": n, **{name: _median_entry(secs[name], n) for name in names}}
-            if len(names) == 2:
-                entry["ratio"] = entry["lily"]["tok_s"] / entry["mlx-lm"]["tok_s"]
-            result["prefill"].append(entry)
+            for n in lengths:
+                secs = {name: [] for name in names}
+                for rnd in range(repeats):
+                    for name in round_order(rnd, names):
+                        r = runners[names.index(name)]
+                        bar.set_postfix_str(f"prefill {n:>6} round {rnd + 1}/{repeats} {name}")
+                        mem.mark(name)
+                        before = engine.counters() if use_counters and name == "lily" else None
+                        secs[name].append(r.prefill(prompts[n]))
+                        if before is not None and rnd == 0:
+                            after = engine.counters()
+                            counter_out["prefill"][str(n)] = {
+                                "run": _counter_delta(after["prefill"]["total"], before["prefill"]["total"]),
+                                "last": after["prefill"]["last"]}
+                        order.append({"phase": "prefill", "length": n, "round": rnd, "engine": name})
+                        bar.update()
+                entry = {"length": n, **{name: _median_entry(secs[name], n) for name in names}}
+                if len(names) == 2:
+                    entry["ratio"] = entry["lily"]["tok_s"] / entry["mlx-lm"]["tok_s"]
+                result["prefill"].append(entry)
 
-        for c in contexts:
-            ctxs = {}
-            for r in runners:  # the context is prefilled once per engine; each round decodes on a copy
-                bar.step(f"decode {c:>6} prefilling the context {r.name}")
-                mem.mark(r.name)
-                ctxs[r.name] = r.context(ctx_ids[c])
-                bar.advance()
-            secs = {name: [] for name in names}
-            for rnd in range(repeats):
-                for name in round_order(rnd, names):
-                    r = runners[names.index(name)]
-                    bar.step(f"decode  {c:>6} round {rnd + 1}/{repeats} {name}")
-                    mem.mark(name)
-                    before = engine.counters() if use_counters and name == "lily" else None
-                    secs[name].append(r.decode(ctxs[name], firsts[c], decode_tokens))
-                    if before is not None and rnd == 0:
-                        after = engine.counters()
-                        last = after["decode"]["last"]
-                        moved = sum(last["bytes_read"].values()) + sum(last["bytes_written"].values())
-                        counter_out["decode"][str(c)] = {
-                            "run": _counter_delta(after["decode"]["total"], before["decode"]["total"]),
-                            "last": last,
-                            "min_bytes": minimum_decode_bytes(engine.checkpoint, c + decode_tokens - 1),
-                            # if decode is bandwidth-bound at the counted bytes of a step (0 without byte counting)
-                            "implied_tok_s": {gpu: bw / moved if moved else None for gpu, bw in BANDWIDTHS.items()}}
-                    order.append({"phase": "decode", "length": c, "round": rnd, "engine": name})
-                    bar.advance()
-            del ctxs
-            entry = {"context": c, "tokens": decode_tokens}
-            for name in names:
-                e = _median_entry(secs[name], decode_tokens)
-                e["ms_per_token"] = 1e3 * e["median_s"] / decode_tokens
-                entry[name] = e
-            if len(names) == 2:
-                entry["ratio"] = entry["lily"]["tok_s"] / entry["mlx-lm"]["tok_s"]
-            result["decode"].append(entry)
+            for c in contexts:
+                ctxs = {}
+                for r in runners:  # the context is prefilled once per engine; each round decodes on a copy
+                    bar.set_postfix_str(f"decode {c:>6} prefilling the context {r.name}")
+                    mem.mark(r.name)
+                    ctxs[r.name] = r.context(ctx_ids[c])
+                    bar.update()
+                secs = {name: [] for name in names}
+                for rnd in range(repeats):
+                    for name in round_order(rnd, names):
+                        r = runners[names.index(name)]
+                        bar.set_postfix_str(f"decode  {c:>6} round {rnd + 1}/{repeats} {name}")
+                        mem.mark(name)
+                        before = engine.counters() if use_counters and name == "lily" else None
+                        secs[name].append(r.decode(ctxs[name], firsts[c], decode_tokens))
+                        if before is not None and rnd == 0:
+                            after = engine.counters()
+                            last = after["decode"]["last"]
+                            moved = sum(last["bytes_read"].values()) + sum(last["bytes_written"].values())
+                            counter_out["decode"][str(c)] = {
+                                "run": _counter_delta(after["decode"]["total"], before["decode"]["total"]),
+                                "last": last,
+                                "min_bytes": minimum_decode_bytes(engine.checkpoint, c + decode_tokens - 1),
+                                # if decode is bandwidth-bound at the counted bytes of a step (0 without byte counting)
+                                "implied_tok_s": {gpu: bw / moved if moved else None for gpu, bw in BANDWIDTHS.items()}}
+                        order.append({"phase": "decode", "length": c, "round": rnd, "engine": name})
+                        bar.update()
+                del ctxs
+                entry = {"context": c, "tokens": decode_tokens}
+                for name in names:
+                    e = _median_entry(secs[name], decode_tokens)
+                    e["ms_per_token"] = 1e3 * e["median_s"] / decode_tokens
+                    entry[name] = e
+                if len(names) == 2:
+                    entry["ratio"] = entry["lily"]["tok_s"] / entry["mlx-lm"]["tok_s"]
+                result["decode"].append(entry)
+        except KeyboardInterrupt:  # Ctrl-C: the result holds the lengths that finished
+            interrupted = True
         mem.mark(None)
     bar.close()
 
@@ -532,6 +489,7 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
         "memory": mem.report(),
         "skipped": skipped,
         "order": order,
+        "interrupted": interrupted,
     }
     if len(names) == 2:
         out["ratio_mean"] = {ph: (statistics.fmean(e["ratio"] for e in out[ph]) if out[ph] else None)
@@ -584,12 +542,25 @@ def format_table(res: dict) -> str:
         parts = [f"{ph} {rm[ph]:.2f}x" for ph in ("prefill", "decode") if rm.get(ph) is not None]
         lines.append("")
         lines.append(f"average ratio lily / mlx-lm: {', '.join(parts)}")
+    note = cpu_float32_note(res)
+    if note:
+        lines.append(f"note: {note}")
+    if res.get("interrupted"):
+        lines.append("interrupted (Ctrl-C): only the lengths that finished are shown")
     m = res["memory"]
     anon = f", anonymous {m['peak_anon_rss_mb']:,.0f} MB" if m.get("peak_anon_rss_mb") is not None else ""
     lines.append(f"peak memory: RSS {m['peak_rss_mb']:,.0f} MB (includes touched pages of the mapped weights){anon}")
     for s in res["skipped"]:
         lines.append(f"skipped {s['phase']} {s['length']}: {s['reason']}")
     return "\n".join(lines)
+
+
+def cpu_float32_note(res: dict) -> str | None:
+    """What the table and the plot say when MLX-LM ran on its CPU backend in float32."""
+    from .mlx_lm_runner import on_cpu_float32
+    if not on_cpu_float32(res.get("engine_info", {}).get("mlx-lm")):
+        return None
+    return "MLX-LM ran on its CPU backend in float32 (no Metal GPU): the ratio is a CPU figure, not the Mac comparison"
 
 
 def _klabel(n: int) -> str:
@@ -605,9 +576,8 @@ def _length_axis(ax, xs) -> None:
         ax.minorticks_off()
 
 
-def write_plot(res: dict, path: str | os.PathLike) -> Path:
-    """Two panels: throughput vs length for every engine (prefill solid, decode dashed), and the lily / mlx-lm
-    ratio per length with its average. Needs matplotlib (pip install 'lily[plot]')."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or an ImportError saying how to install it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -615,6 +585,13 @@ def write_plot(res: dict, path: str | os.PathLike) -> Path:
     except ImportError:
         raise ImportError("--plot needs matplotlib, which is not installed; install it with "
                           "`pip install matplotlib` (or `pip install 'lily[plot]'`)") from None
+    return plt
+
+
+def write_plot(res: dict, path: str | os.PathLike) -> Path:
+    """Two panels: throughput vs length for every engine (prefill solid, decode dashed), and the lily / mlx-lm
+    ratio per length with its average. Needs matplotlib (pip install 'lily[plot]')."""
+    plt = pyplot()
     names = res["engines"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     ax = axes[0]
@@ -645,14 +622,16 @@ def write_plot(res: dict, path: str | os.PathLike) -> Path:
         ax.axhline(1.0, color="gray", linewidth=0.8)
         _length_axis(ax, all_x)
         ax.set_ylabel("lily / mlx-lm throughput")
-        ax.set_title("ratio per length (> 1: lily faster)")
+        ax.set_title("ratio per length (> 1: lily faster)"
+                     + ("\nMLX-LM on its CPU backend in float32: not the Mac comparison" if cpu_float32_note(res)
+                        else ""), fontsize=10)
         ax.legend()
     else:
         ax.text(0.5, 0.5, "no comparison engine\n(--vs mlx-lm)", ha="center", va="center", transform=ax.transAxes)
         ax.set_title("ratio per length")
     ax.set_xlabel("tokens")
     ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(f"lily bench: {Path(res['model']).name}")
+    fig.suptitle(f"lily bench: {Path(res['model']).name}" + (" (interrupted)" if res.get("interrupted") else ""))
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -683,9 +662,19 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .engine import Engine
+    from .cli import load_engine
 
-    kwargs = {"threads": args.threads}
+    if args.counters and not args.json:
+        print("lily bench: error: --counters writes the counters to the JSON: add --json FILE", file=sys.stderr)
+        return 2
+    try:  # what --plot and --vs need, checked before anything runs
+        if args.plot:
+            pyplot()
+        mlx_runner = MlxRunner(args.mlx_model or _local_path(args.model)) if args.vs == "mlx-lm" else None
+    except ImportError as e:
+        print(f"lily bench: error: {e}", file=sys.stderr)
+        return 2
+    kwargs = {}
     if args.backend == "metal-emu":
         kwargs["count_bytes"] = args.counters
     if args.prefill_chunk:
@@ -694,34 +683,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kwargs["metal_options"] = json.loads(args.metal_options)
     if args.fusions:
         kwargs["fusions"] = json.loads(args.fusions)
-    engine = Engine.from_pretrained(args.model, backend=args.backend, **kwargs)
+    engine = load_engine(args, **kwargs)
     phases = tuple(p for p in ("prefill", "decode") if p not in (args.skip or []))
-    try:
-        res = run_bench(engine, lengths=args.lengths, contexts=args.contexts, decode_tokens=args.decode_tokens,
-                        repeats=args.repeats, warmup=args.warmup, seed=args.seed, vs=args.vs,
-                        mlx_path=args.mlx_model, counters=args.counters, phases=phases, progress=not args.quiet,
-                        model_name=args.model)
-    except ImportError as e:
-        print(f"lily bench: error: {e}", file=sys.stderr)
-        return 2
+    res = run_bench(engine, lengths=args.lengths, contexts=args.contexts, decode_tokens=args.decode_tokens,
+                    repeats=args.repeats, warmup=args.warmup, seed=args.seed, vs=args.vs, mlx_runner=mlx_runner,
+                    counters=args.counters, phases=phases, progress=not args.quiet, model_name=args.model)
     print(format_table(res))
-    if args.ablations and res.get("counters"):
+    if args.ablations and res.get("counters") and not res["interrupted"]:
         prompt = (args.lengths or [32])[0]
-        res["counters"]["ablations"] = ablation_counters(engine.checkpoint, args.backend, prompt_tokens=prompt,
-                                                         seed=args.seed, **kwargs)
-    if args.counters and res.get("counters"):
-        print(json.dumps(res["counters"], indent=1))
-        if args.ablations:
+        try:
+            res["counters"]["ablations"] = ablation_counters(engine.checkpoint, args.backend, prompt_tokens=prompt,
+                                                             seed=args.seed, progress=not args.quiet,
+                                                             threads=args.threads, **kwargs)
             print(format_ablations(res["counters"]["ablations"]))
-    elif args.counters:
+        except KeyboardInterrupt:
+            res["interrupted"] = True
+    elif args.counters and not res.get("counters"):
         print(f"(no counters: the {args.backend} backend reports none; use --backend metal-emu or metal)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+        print(f"wrote {args.json}" + (" (interrupted: what finished)" if res["interrupted"] else ""),
+              file=sys.stderr)
     if args.plot:
         write_plot(res, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0
+    return 130 if res["interrupted"] else 0
+
+
+def _local_path(model: str):
+    """The directory of a model name (what Engine.from_pretrained resolves), for MLX-LM."""
+    from .checkpoint import resolve
+    return resolve(model)
 
 
 EXAMPLES = """examples:
@@ -741,10 +733,8 @@ figure, not the Mac comparison."""
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b = subparsers.add_parser("bench", help="prefill / decode throughput over lengths, optionally vs MLX-LM",
                               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
-    b.add_argument("--model", "-m", default="synthetic:tiny",
-                   help="model directory, hub repo id, or synthetic:<tiny|small|medium|full> (default: synthetic:tiny)")
-    b.add_argument("--backend", default="reference", help="reference (CPU), metal (Apple), metal-emu (emulated Metal)")
-    b.add_argument("--threads", type=int, default=0, help="CPU threads of the reference backend (0 = all cores)")
+    from .cli import add_model_args
+    add_model_args(b)
     b.add_argument("--lengths", type=parse_lengths, default=list(DEFAULT_LENGTHS),
                    help="prefill prompt lengths, comma-separated (default: 256,512,...,128k: ten lengths)")
     b.add_argument("--contexts", type=parse_lengths, default=None,
@@ -758,7 +748,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--vs", choices=["mlx-lm"], help="also run MLX-LM on the same checkpoint, alternating")
     b.add_argument("--mlx-model", help="checkpoint directory for MLX-LM (default: the --model checkpoint)")
     b.add_argument("--counters", action="store_true",
-                   help="record Engine.counters() per phase and length (metal-emu / metal backends)")
+                   help="record Engine.counters() per phase and length in the --json file (metal-emu / metal "
+                        "backends)")
     b.add_argument("--ablations", action="store_true",
                    help="with --counters: also the counters of a short generation under each fusion and MetalOptions "
                         "ablation, "

@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import _core
+from .safetensors_io import read_header
 
 # Files a model directory needs; everything else in a hub repo (README, images, vision-only shards) is skipped.
 NEEDED_FILES = [
@@ -41,9 +41,7 @@ NEEDED_FILES = [
 ]
 
 _DTYPES = {"F32": _core.DType.f32, "BF16": _core.DType.bf16, "F16": _core.DType.f16, "U32": _core.DType.u32}
-_DTYPE_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
-_MAX_HEADER = 100 << 20  # a safetensors header larger than this is corrupt, not a model
 
 # Zero-centred RMSNorm weights (effective scale 1 + w in HF files; MLX files store 1 + w).
 _ZERO_CENTRED = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
@@ -241,48 +239,9 @@ class _Tensor:
 
 
 def read_safetensors_header(path: Path, file_index: int = 0) -> dict[str, _Tensor]:
-    """Parses and checks one safetensors header without reading tensor data.
-
-    Rejects a truncated file, a header whose offsets leave the file or disagree with dtype × shape, and
-    overlapping tensors, naming the file and the tensor."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes): truncated or not safetensors")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
-    base = 8 + n
-    out: dict[str, _Tensor] = {}
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (b, e) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {info!r}") from None
-        if any(d < 0 for d in shape) or not (0 <= b <= e):
-            raise CheckpointError(f"{path}: tensor {name}: invalid shape {shape} or offsets [{b}, {e}]")
-        if dtype in _DTYPE_SIZE and e - b != math.prod(shape) * _DTYPE_SIZE[dtype]:
-            raise CheckpointError(f"{path}: tensor {name}: header says {dtype}{list(shape)} "
-                                  f"({math.prod(shape) * _DTYPE_SIZE[dtype]} bytes) but its offsets span {e - b} bytes")
-        if base + e > size:
-            raise CheckpointError(f"{path}: tensor {name} ends at byte {base + e} but the file has {size} bytes (truncated)")
-        spans.append((b, e, name))
-        out[name] = _Tensor(name, file_index, path, dtype, shape, base + b, e - b)
-    spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointError(f"{path}: tensors {n0} and {n1} overlap in the file (header is inconsistent)")
-    return out
+    """One shard's tensors (safetensors_io.read_header: checked, CheckpointError naming the file and tensor)."""
+    entries, _ = read_header(path, CheckpointError)
+    return {name: _Tensor(name, file_index, path, e.dtype, e.shape, e.offset, e.nbytes) for name, e in entries.items()}
 
 
 # ---------------------------------------------------------------------------------------------- layouts

@@ -9,7 +9,8 @@ import time
 from .display import prefill_bar
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model / backend / threads block every command that loads a model shares (load_engine reads it)."""
     p.add_argument("--model", "-m", default="synthetic:tiny",
                    help="model directory, hub repo id, or synthetic:<tiny|small|medium|full> (default: synthetic:tiny)")
     p.add_argument("--backend", default="reference", help="reference (CPU), metal (Apple), metal-emu (emulated Metal)")
@@ -19,28 +20,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    from . import sampling
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
-    g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most")
-    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None, help="0 = off")
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None, help="Hugging Face semantics (prompt + output)")
-    g.add_argument("--presence-penalty", type=float, default=None, help="OpenAI semantics (output)")
-    g.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI semantics (output)")
-    g.add_argument("--seed", type=int, default=None, help="same seed, same text")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_arguments(g)
     g.add_argument("--no-thinking", action="store_true", help="chat template with enable_thinking=False")
 
 
 def _sampling(args) -> dict:
-    kw = {k: getattr(args, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                         "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")}
-    kw["stop"] = args.stop
-    return kw
+    from . import sampling
+    return sampling.from_arguments(args)
 
 
-def _load(args):
+def load_engine(args, **engine_kwargs):
+    """The Engine of add_model_args' flags, timing the load on stderr (an error goes on a line of its own)."""
     from .engine import Engine, backend_unavailable
     why = backend_unavailable(args.backend)
     if why:
@@ -48,9 +40,9 @@ def _load(args):
     t0 = time.perf_counter()
     print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, end="", flush=True)
     try:
-        engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads)
+        engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads, **engine_kwargs)
     except BaseException:
-        print(file=sys.stderr)  # the error goes on a line of its own
+        print(file=sys.stderr)
         raise
     print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return engine
@@ -79,7 +71,7 @@ def _style(on: bool):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     text = _read_prompt(args)
-    engine = _load(args)
+    engine = load_engine(args)
     kw = _sampling(args)
     kw["progress"] = prefill_bar()
     prompt = [{"role": "user", "content": text}] if args.chat else text
@@ -119,7 +111,7 @@ answer), /save PATH, /load PATH, /help, /quit"""
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .session import Session
-    engine = _load(args)
+    engine = load_engine(args)
     kw = _sampling(args)
     kw["progress"] = prefill_bar()
     if args.no_thinking:
@@ -239,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
   lily generate --chat --file paper.txt                          # a long prompt from a file (or: < paper.txt)
 
 A prompt of more than one prefill chunk shows a progress bar; Ctrl-C stops at the next chunk or token.""")
-    _add_model_args(g)
+    add_model_args(g)
     g.add_argument("prompt", nargs="?", default=None, help='the prompt ("-" or none with a pipe: standard input)')
     g.add_argument("--file", "-f", default=None, help="read the prompt from this file (- = standard input)")
     _add_sampling_args(g)
@@ -258,7 +250,7 @@ A prompt of more than one prefill chunk shows a progress bar; Ctrl-C stops at th
 """ + CHAT_HELP + """
 Each turn prefills only the new message (the answers stay in the history as generated, with their thinking:
 --no-preserve-thinking drops it); thinking is shown dimmed; Ctrl-C stops an answer and keeps the session.""")
-    _add_model_args(ch)
+    add_model_args(ch)
     _add_sampling_args(ch)
     ch.add_argument("--system", default=None, help="system message")
     ch.add_argument("--no-color", action="store_true", help="do not dim the thinking")

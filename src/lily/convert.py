@@ -5,10 +5,10 @@ Three layers, bottom up:
 * bf16 helpers and the MLX affine quantiser / dequantiser, bit-exact with
   ``mx.quantize`` / ``mx.dequantize`` of mlx 0.32 (CPU backend) for float32 and
   bfloat16 inputs.
-* A minimal safetensors reader (memory-mapped, bf16 returned as ``uint16`` bits)
-  and a streaming sharded writer that lays out every shard from a plan up front
-  and then accepts tensors (or row slices of tensors) in any order, so no
-  checkpoint ever has to be held in memory.
+* The safetensors reader (memory-mapped, bf16 returned as ``uint16`` bits) and
+  the streaming sharded writer of :mod:`lily.safetensors_io` (every shard laid
+  out from a plan up front, then tensors or row slices of tensors in any order,
+  so no checkpoint ever has to be held in memory).
 * :func:`convert_hf_to_mlx_q4` - what ``mlx_lm.convert -q --q-group-size 64
   --q-bits 4`` does for ``qwen3_5_moe`` (qwen36-spec.md section 3.2/3.3),
   tensor by tensor.
@@ -35,11 +35,12 @@ import json
 import math
 import os
 import shutil
-import struct
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from .safetensors_io import SafetensorsFile, ShardedWriter, TensorSpec
 
 __all__ = [
     "f32_to_bf16", "bf16_to_f32", "round_bf16",
@@ -198,159 +199,6 @@ def dequantize_affine(wq, scales, biases, bits: int = 4, group_size: int = 64,
     else:
         out = _as_f32(_as_f32(q * s[..., None], dtype) + b[..., None], dtype)
     return out.reshape(*out.shape[:-2], out.shape[-2] * group_size)
-
-
-# ----------------------------------------------------------------------------- safetensors I/O
-
-_ST_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-          "U32": np.uint32, "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8,
-          "U16": np.uint16, "I16": np.int16, "BOOL": np.bool_, "U64": np.uint64}
-_ST_SIZE = {k: np.dtype(v).itemsize for k, v in _ST_NP.items()}
-
-
-class SafetensorsFile:
-    """Read-only, memory-mapped safetensors file.  BF16 tensors come back as uint16 bits."""
-
-    def __init__(self, path: Union[str, Path]):
-        self.path = Path(path)
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.header = header
-        self._base = 8 + n
-        self._mm = None
-
-    def keys(self) -> List[str]:
-        return list(self.header)
-
-    def info(self, name: str) -> Tuple[str, Tuple[int, ...]]:
-        h = self.header[name]
-        return h["dtype"], tuple(h["shape"])
-
-    def get(self, name: str) -> np.ndarray:
-        """Zero-copy view (read-only memmap) of a tensor."""
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        h = self.header[name]
-        a, b = h["data_offsets"]
-        raw = self._mm[self._base + a:self._base + b]
-        return raw.view(_ST_NP[h["dtype"]]).reshape(h["shape"])
-
-    def close(self):
-        self._mm = None
-
-
-TensorSpec = Tuple[str, Tuple[int, ...], str]  # (name, shape, safetensors dtype)
-
-
-def _np_to_st(a: np.ndarray, st_dtype: Optional[str] = None) -> str:
-    if st_dtype:
-        return st_dtype
-    for k, v in _ST_NP.items():
-        if k not in ("BF16",) and np.dtype(v) == a.dtype:
-            return k
-    raise TypeError(a.dtype)
-
-
-class ShardedWriter:
-    """Streaming sharded safetensors writer driven by a plan.
-
-    ``plan``: ordered (name, shape, dtype) list.  Tensors are assigned to shards
-    in plan order with mlx-lm's rule (new shard when the current one would exceed
-    ``max_shard_bytes``); every file is created up front with its final header
-    and size, and tensor data is then written with positional writes, whole or
-    as row ranges (``write(name, array, row0)``), in any order.  ``close()``
-    checks that every byte was written and writes ``model.safetensors.index.json``.
-    """
-
-    def __init__(self, out_dir: Union[str, Path], plan: Sequence[TensorSpec],
-                 max_shard_bytes: int = 5 << 30, metadata: Optional[dict] = None,
-                 index_metadata: Optional[dict] = None, single_name: str = "model.safetensors"):
-        self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.specs: Dict[str, Tuple[Tuple[int, ...], str]] = {}
-        shards: List[List[TensorSpec]] = []
-        size = 0
-        for name, shape, dt in plan:
-            if name in self.specs:
-                raise ValueError(f"duplicate tensor {name}")
-            shape = tuple(int(s) for s in shape)
-            nb = int(np.prod(shape, dtype=np.int64)) * _ST_SIZE[dt]
-            if not shards or size + nb > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append((name, shape, dt))
-            size += nb
-            self.specs[name] = (shape, dt)
-        if not shards:
-            shards.append([])
-        count = len(shards)
-        self.files = {}
-        self.loc: Dict[str, Tuple[int, int, int]] = {}  # name -> (file idx, abs offset, nbytes)
-        self.weight_map: Dict[str, str] = {}
-        self.total_size = 0
-        self._written: Dict[str, int] = {}
-        self._fds = []
-        meta = {"format": "mlx"} if metadata is None else metadata
-        for i, shard in enumerate(shards):
-            fname = single_name if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            header = {"__metadata__": meta} if meta else {}
-            off = 0
-            for name, shape, dt in shard:
-                nb = int(np.prod(shape, dtype=np.int64)) * _ST_SIZE[dt]
-                header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + nb]}
-                off += nb
-            hb = json.dumps(header, separators=(",", ":")).encode()
-            hb += b" " * (-len(hb) % 8)
-            base = 8 + len(hb)
-            path = self.out_dir / fname
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.write(fd, struct.pack("<Q", len(hb)) + hb)
-            os.ftruncate(fd, base + off)
-            self._fds.append(fd)
-            for name, shape, dt in shard:
-                a, b = header[name]["data_offsets"]
-                self.loc[name] = (i, base + a, b - a)
-                self.weight_map[name] = fname
-                self._written[name] = 0
-            self.total_size += off
-        self.index_metadata = index_metadata or {}
-
-    def write(self, name: str, arr: np.ndarray, row0: int = 0):
-        """Write ``arr`` as rows [row0, row0 + len(arr)) (first axis) of tensor ``name``."""
-        shape, dt = self.specs[name]
-        arr = np.ascontiguousarray(arr)
-        if np.dtype(_ST_NP[dt]) != arr.dtype:
-            raise TypeError(f"{name}: expected {dt}, got {arr.dtype}")
-        if arr.shape == shape:
-            row0 = 0
-            row_bytes = 0
-        else:
-            if tuple(arr.shape[1:]) != tuple(shape[1:]) or row0 + arr.shape[0] > shape[0]:
-                raise ValueError(f"{name}: slice {arr.shape} at {row0} does not fit {shape}")
-            row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * _ST_SIZE[dt]
-        fi, off, nb = self.loc[name]
-        data = memoryview(arr.reshape(-1).view(np.uint8))
-        pos = off + row0 * row_bytes
-        while len(data):
-            k = os.pwrite(self._fds[fi], data, pos)
-            data = data[k:]
-            pos += k
-        self._written[name] += arr.nbytes
-
-    def close(self, write_index: bool = True):
-        missing = [k for k, (_, _, nb) in self.loc.items() if self._written[k] != nb]
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-        if missing:
-            raise RuntimeError(f"{len(missing)} tensors not fully written, e.g. {missing[:3]}")
-        if write_index:
-            idx = {"metadata": {"total_size": self.total_size, **self.index_metadata},
-                   "weight_map": {k: self.weight_map[k] for k in sorted(self.weight_map)}}
-            with open(self.out_dir / "model.safetensors.index.json", "w") as f:
-                json.dump(idx, f, indent=4)
 
 
 # ----------------------------------------------------------------------------- MLX layout rules

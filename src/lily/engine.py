@@ -22,7 +22,7 @@ import secrets
 import time
 from typing import Iterator
 
-from . import _core
+from . import _core, sampling
 
 CancelFlag = _core.CancelFlag  # set() from any thread: the prompt stops before its next prefill chunk
 Cancelled = _core.Cancelled    # what a stream whose CancelFlag was set raises (a RuntimeError)
@@ -305,25 +305,14 @@ class Engine:
 
     @property
     def generation_defaults(self) -> dict:
-        """Sampling defaults from the checkpoint's generation_config.json (Hugging Face semantics: without
-        do_sample the default is greedy)."""
+        """Sampling defaults from the checkpoint's generation_config.json (lily.sampling.generation_defaults)."""
         if self._defaults is None:
             path = self.path / "generation_config.json"
             try:
                 g = json.loads(path.read_text()) if path.exists() else {}
             except (OSError, json.JSONDecodeError):
                 g = {}
-            d = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 256}
-            for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty"):
-                if g.get(k) is not None:
-                    d[k] = g[k]
-            if g.get("max_new_tokens"):
-                d["max_tokens"] = int(g["max_new_tokens"])
-            if not g.get("do_sample", False):
-                d["temperature"] = 0.0
-            self._defaults = d
+            self._defaults = sampling.generation_defaults(g)
         return dict(self._defaults)
 
     def logits(self, token_ids, session: Session | None = None, *, chunk_size: int | None = None) -> np.ndarray:
@@ -378,19 +367,16 @@ class Engine:
                           lps if (kwargs.get("logprobs") or kwargs.get("top_logprobs")) else None,
                           last.seed, last.stop, last.message or {"role": "assistant", "content": "".join(text)})
 
-    def stream(self, prompt, *, max_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
-               repetition_penalty: float | None = None, presence_penalty: float | None = None,
-               frequency_penalty: float | None = None, seed: int | None = None, stop=None,
-               logprobs: bool = False, top_logprobs: int = 0, enable_thinking: bool | None = None,
+    def stream(self, prompt, *, logprobs: bool = False, top_logprobs: int = 0, enable_thinking: bool | None = None,
                tools: list[dict] | None = None, session: Session | None = None, chunk_size: int | None = None,
                chat_template_kwargs: dict | None = None, cancel: CancelFlag | None = None,
-               progress=None) -> Stream:
+               progress=None, **options) -> Stream:
         """Generates and yields Deltas as tokens are decoded (see generate() for `prompt`).
 
-        Sampling (defaults: generation_config.json): temperature (0 = greedy), top_p, top_k (0 = off), min_p,
-        repetition_penalty (HF, over prompt + output), presence_penalty / frequency_penalty (OpenAI, over the
-        output), seed (same seed, same tokens). stop: strings that end the text (never emitted). logprobs /
+        options: the sampling options of lily.sampling.SamplingOptions (defaults: generation_config.json):
+        max_tokens, temperature (0 = greedy), top_p, top_k (0 = off), min_p, repetition_penalty (HF, over prompt
+        + output), presence_penalty / frequency_penalty (OpenAI, over the output), seed (same seed, same tokens),
+        stop (strings that end the text, never emitted); any other keyword is a TypeError. logprobs /
         top_logprobs: per-token log-probabilities. enable_thinking, tools, chat_template_kwargs: passed to the
         chat template (chat_template_kwargs={"preserve_thinking": True} keeps earlier answers' reasoning, so that
         the history stays as generated and each turn prefills only the new messages). session: continue a
@@ -402,10 +388,9 @@ class Engine:
         is otherwise one uninterruptible call); the iterator then raises lily.Cancelled. Ctrl-C
         (KeyboardInterrupt) also takes effect between two chunks. progress: called with a PrefillProgress after
         every prefill chunk (lily.display.prefill_bar draws it as a progress bar)."""
-        req = self._prepare(prompt, max_tokens, dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty), seed, stop, logprobs, top_logprobs,
-                            enable_thinking, tools, session, chunk_size, chat_template_kwargs or {})
+        opts = sampling.check_keywords(options, "Engine.stream")
+        req = self._prepare(prompt, opts, logprobs, top_logprobs, enable_thinking, tools, session, chunk_size,
+                            chat_template_kwargs or {})
         self._check_idle()
         holder: dict = {}
         req.cancel, req.progress = cancel, progress
@@ -435,23 +420,24 @@ class Engine:
                 boundary = len(hid)
         return ChatPrompt(text, ids, boundary, prompt_opens_reasoning(text), list(messages), tools, kw)
 
-    def _prepare(self, prompt, max_tokens, sampling, seed, stop, logprobs, top_logprobs, enable_thinking, tools,
+    def _prepare(self, prompt, opts: sampling.SamplingOptions, logprobs, top_logprobs, enable_thinking, tools,
                  session, chunk_size, template_kwargs) -> _Request:
         from .chat import prompt_opens_reasoning
         d = self.generation_defaults
         p = _core.SamplingParams()
-        for k, v in sampling.items():
-            setattr(p, k, float(d[k] if v is None else v) if k != "top_k" else int(d[k] if v is None else v))
-        if seed is None:
-            seed = secrets.randbits(63)
+        for k in sampling.SAMPLER_NEUTRAL:
+            v = getattr(opts, k)
+            setattr(p, k, type(getattr(p, k))(d[k] if v is None else v))
+        seed = secrets.randbits(63) if opts.seed is None else opts.seed
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         p.seed = seed & ((1 << 64) - 1)
         p.logprobs, p.top_logprobs = bool(logprobs), int(top_logprobs or 0)
         p.validate(self.config.vocab_size)
-        max_tokens = d["max_tokens"] if max_tokens is None else int(max_tokens)
+        max_tokens = d["max_tokens"] if opts.max_tokens is None else int(opts.max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        stop = opts.stop
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or ()) if s]
         if any(not isinstance(s, str) for s in stops):
             raise ValueError("stop must be a string or a list of strings")

@@ -69,34 +69,16 @@ class MlxReference:
     name = "mlx-lm"
 
     def __init__(self, path, float32: bool | None = None):
-        try:
-            import mlx.core as mx
-            from mlx.utils import tree_map
-            from mlx_lm.models.cache import make_prompt_cache
-            from mlx_lm.utils import load_model
-        except ImportError as e:
-            raise ImportError(f"--vs mlx-lm needs MLX-LM, which is not installed ({e}); install it with "
-                              "`pip install mlx-lm` (on Linux also `pip install 'mlx[cpu]'`)") from None
-        self.mx, self._make_cache = mx, make_prompt_cache
-        gpu = bool(getattr(mx, "metal", None) and mx.metal.is_available())
-        if not gpu:
-            mx.set_default_device(mx.cpu)
-        self.model, _ = load_model(Path(path))
-        cast = (not gpu) if float32 is None else float32
-        if cast:
-            self.model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                                       self.model.parameters()))
-        mx.eval(self.model.parameters())
-        self.info = {"device": "gpu" if gpu else "cpu", "float32_cast": cast}
+        from .mlx_lm_runner import MlxLM
+        self.mlx = MlxLM(path, float32)
+        self.info = self.mlx.info
         self._cache = None
 
     def start(self) -> None:
-        self._cache = self._make_cache(self.model)
+        self._cache = self.mlx.new_cache()
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
-        mx = self.mx
-        out = self.model(mx.array(np.asarray(ids, dtype=np.int32)[None]), cache=self._cache)[0]
-        return np.array(out.astype(mx.float32))
+        return self.mlx.logits(ids, self._cache)
 
 
 class TransformersReference:
@@ -227,9 +209,9 @@ def format_result(r: dict) -> str:
 # ---------------------------------------------------------------------------------------------- CLI
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .engine import Engine
+    from .cli import load_engine
 
-    engine = Engine.from_pretrained(args.model, backend=args.backend, threads=args.threads)
+    engine = load_engine(args)
     if args.text_file:
         text = Path(args.text_file).read_text(encoding="utf-8")
         source = args.text_file
@@ -263,10 +245,8 @@ agreement, max |logit difference| and mean KL(ref || lily)."""
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval", help="teacher-forced fidelity vs MLX-LM or transformers (perplexity, top-1)",
                               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
-    p.add_argument("--model", "-m", default="synthetic:tiny",
-                   help="model directory, hub repo id, or synthetic:<tiny|small|medium|full> (default: synthetic:tiny)")
-    p.add_argument("--backend", default="reference", help="reference (CPU), metal (Apple), metal-emu (emulated Metal)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads of the reference backend (0 = all cores)")
+    from .cli import add_model_args
+    add_model_args(p)
     p.add_argument("--vs", choices=REFERENCES, default="mlx-lm", help="reference engine (default mlx-lm)")
     p.add_argument("--ref-model", help="checkpoint directory for the reference (default: the --model checkpoint)")
     p.add_argument("--text-file", help="UTF-8 text to score (default: an embedded sample of a few paragraphs)")

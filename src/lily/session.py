@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from . import safetensors_io
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -185,9 +186,11 @@ class Session:
                 return
             self.snapshots.remove(min(victims, key=lambda s: s.last_used))
 
-    def _plan(self, ids: list[int]) -> _Plan:
-        """The resume point for a prompt: the live state or the snapshot whose tokens are the longest prefix of
-        `ids`, leaving at least one token to feed unless the snapshot kept the logits of the whole prompt."""
+    def resume_point(self, ids) -> tuple[int, Snapshot | None]:
+        """Where a prompt would resume: (prompt tokens already held, the snapshot holding them or None for the
+        live state); the live state or the snapshot whose tokens are the longest prefix of `ids`, leaving at
+        least one token to feed unless the snapshot kept the logits of the whole prompt. (-1, None): neither
+        is a prefix of `ids` (a fresh state)."""
         n = len(ids)
         live = self._core.tokens
         best_len, best = -1, None
@@ -198,6 +201,13 @@ class Session:
             usable = k < n or (k == n and s.logits is not None)
             if usable and k > best_len and _common_prefix(s.tokens, ids) == k:
                 best_len, best = k, s
+        return best_len, best
+
+    def _plan(self, ids: list[int]) -> _Plan:
+        """The resume point for a prompt (resume_point) and how to undo the request."""
+        n = len(ids)
+        live = self._core.tokens
+        best_len, best = self.resume_point(ids)
         if best is None and best_len >= 0:
             # Extend the live state in place; a copy taken now restores it if the request fails.
             backup = self._snapshot_of(self._core, "turn") if len(live) else None
@@ -245,16 +255,21 @@ class Session:
         manifest = {"format": FORMAT, "fingerprint": fingerprint(e), "entries": entries,
                     "turns": [_turn_entry(key, ids, self._core.tokens) for key, ids in self.turns],
                     "crc32": {name: zlib.crc32(data) for name, _, _, data in tensors}}
-        _write_safetensors(path, tensors, {"lily.session": json.dumps(manifest)})
+        safetensors_io.write_file(path, [(name, _DTYPE[dt], shape, data) for name, dt, shape, data in tensors],
+                                  {"lily.session": json.dumps(manifest)})
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike, engine: "Engine", **kwargs) -> "Session":
         """A session saved by save(), for an engine of the same model and backend."""
         path = Path(path)
-        header, blob = _read_safetensors(path)
         try:
-            manifest = json.loads(header.get("__metadata__", {})["lily.session"])
+            entries, metadata = safetensors_io.read_header(path, SessionFileError)
+            blob = path.read_bytes()
+        except OSError as e:
+            raise SessionFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+        try:
+            manifest = json.loads(metadata["lily.session"])
         except (KeyError, TypeError, json.JSONDecodeError):
             raise SessionFileError(f"{path}: not a lily session file (no lily.session manifest)") from None
         if manifest.get("format") != FORMAT:
@@ -268,14 +283,13 @@ class Session:
 
         def tensors_of(tag):
             out = []
-            for name, meta in header.items():
-                if name == "__metadata__" or not name.startswith(tag + "."):
+            for name, t in entries.items():
+                if not name.startswith(tag + "."):
                     continue
-                b, e = meta["data_offsets"]
-                data = bytes(blob[b:e])
-                if zlib.crc32(data) != crc.get(name):
-                    raise SessionFileError(f"{path}: tensor {name} is corrupt (CRC-32 mismatch)")
-                out.append((name[len(tag) + 1:], _DTYPE_BACK[meta["dtype"]], list(meta["shape"]), data))
+                data = blob[t.offset:t.offset + t.nbytes]
+                if zlib.crc32(data) != crc.get(name) or t.dtype not in _DTYPE_BACK:
+                    raise SessionFileError(f"{path}: tensor {name} is corrupt (CRC-32 mismatch or dtype {t.dtype})")
+                out.append((name[len(tag) + 1:], _DTYPE_BACK[t.dtype], list(t.shape), data))
             return out
 
         s = cls(engine, **kwargs)
@@ -404,51 +418,5 @@ def _short(v) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-_DTYPE = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
+_DTYPE = {"f32": "F32", "bf16": "BF16", "f16": "F16"}  # Backend::export_state's names -> safetensors'
 _DTYPE_BACK = {v: k for k, v in _DTYPE.items()}
-_ITEM = {"F32": 4, "BF16": 2, "F16": 2}
-
-
-def _write_safetensors(path: Path, tensors, metadata: dict) -> None:
-    header, offset = {}, 0
-    for name, dtype, shape, data in tensors:
-        header[name] = {"dtype": _DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    header["__metadata__"] = metadata
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for _, _, _, data in tensors:
-            f.write(data)
-    os.replace(tmp, path)
-
-
-def _read_safetensors(path: Path):
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise SessionFileError(f"{path}: cannot be read ({e.strerror or e})") from None
-    if len(raw) < 8:
-        raise SessionFileError(f"{path}: truncated (no safetensors header)")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if n > len(raw) - 8:
-        raise SessionFileError(f"{path}: truncated or corrupt (header of {n} bytes in a {len(raw)}-byte file)")
-    try:
-        header = json.loads(raw[8:8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SessionFileError(f"{path}: corrupt safetensors header") from None
-    blob = memoryview(raw)[8 + n:]
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            b, e = meta["data_offsets"]
-            size = int(np.prod(meta["shape"], dtype=np.int64)) * _ITEM[meta["dtype"]]
-        except (KeyError, TypeError, ValueError):
-            raise SessionFileError(f"{path}: tensor {name} has a malformed header entry") from None
-        if not 0 <= b <= e <= len(blob) or e - b != size:
-            raise SessionFileError(f"{path}: tensor {name} lies outside the file or has the wrong size (truncated?)")
-    return header, blob

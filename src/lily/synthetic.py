@@ -43,7 +43,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from .convert import ShardedWriter, f32_to_bf16, mlx_param_sort_key, quant_bits_for
+from .convert import f32_to_bf16, mlx_param_sort_key, quant_bits_for
+from .safetensors_io import ShardedWriter
 from . import tokenizer_build as tb
 
 __all__ = ["SCALES", "VERSION", "Geometry", "geometry", "text_config", "config_dict",
