@@ -148,12 +148,12 @@ def run_case(row: Row, fn: Callable[[int], float], seed: int) -> None:
 
 
 def end_to_end(backend: str) -> Row:
-    """synthetic:tiny on `backend` against the reference backend: prefill logits of two chunks and a decode step
-    that continues a session, within the bf16 noise the Metal tests allow (5% of the logit range, the same
+    """synthetic:tiny on `backend` against the reference backend: prefill logits of two chunks, a prompt whose
+    last chunk is one row, and two decode steps that continue its session, within the bf16 noise the Metal tests allow (5% of the logit range, the same
     greedy tokens)."""
     from .engine import Engine
 
-    row = Row("synthetic:tiny", case="prefill 11 tokens in 2 chunks, 10 then a decode step, vs reference")
+    row = Row("synthetic:tiny", case="prefill 11 tokens (8 + 3), 9 (8 + 1) and 2 decode steps, vs reference")
     t = time.perf_counter()
     try:
         ref = Engine.from_pretrained("synthetic:tiny", "reference")
@@ -161,8 +161,11 @@ def end_to_end(backend: str) -> Row:
         ids = [1, 5, 9, 200, 3, 7, 11, 13, 17, 19, 23]
         a, b = ref.logits(ids), gpu.logits(ids)
         s_ref, s_gpu = ref.new_session(), gpu.new_session()
-        ref.logits(ids[:10], s_ref), gpu.logits(ids[:10], s_gpu)
-        da, db = ref.logits(ids[10:], s_ref), gpu.logits(ids[10:], s_gpu)
+        # 9 = a chunk of 8 and a one-row chunk (the remainder issue 12 fixed), then two decode steps
+        da, db = ref.logits(ids[:9], s_ref)[-1:], gpu.logits(ids[:9], s_gpu)[-1:]
+        for token in ids[9:]:
+            da = np.concatenate([da, ref.logits([token], s_ref)])
+            db = np.concatenate([db, gpu.logits([token], s_gpu)])
         a, b = np.concatenate([a, da]), np.concatenate([b, db])
         row.max_error = _rel(b, a)
         agree = float((a.argmax(1) == b.argmax(1)).mean())
