@@ -82,6 +82,15 @@ def gpu_backend():
 
 
 @pytest.fixture(scope="session")
+def byte_counting_backend(gpu_backend):
+    """gpu_backend for the tests that assert bytes moved: only the emulator counts them (pages its kernels
+    touch); a real GPU reports dispatches, stages and CPU waits but no bytes, so there these tests skip."""
+    if gpu_backend != "metal-emu":
+        pytest.skip(f"bytes moved are counted by the emulator only (metal-emu), not by {gpu_backend!r}")
+    return gpu_backend
+
+
+@pytest.fixture(scope="session")
 def kernel_device(gpu_backend):
     """The device the kernel-level tests (lily._core.kernels) run on, chosen like gpu_backend: the emulator, or
     the real Metal device under LILY_TEST_BACKEND=metal; skips for a backend without Metal kernels."""

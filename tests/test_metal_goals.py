@@ -92,7 +92,7 @@ def test_dispatch_and_stage_goals(model_dir, prompt):
     assert full["command_buffers"] == 1
 
 
-def test_decode_bytes_near_minimum():
+def test_decode_bytes_near_minimum(byte_counting_backend):
     """synthetic:small cut to its first 4 layers (H 512, 32 experts top-8: matrices large against the emulator's
     4 KB page granularity), one 200-row prefill chunk (no KV growth copy in the next step), one decode step."""
     from lily.checkpoint import read_checkpoint, resolve
@@ -210,7 +210,7 @@ def _step_counters(ck, fusions):
 
 
 @pytest.mark.parametrize("switch", ["expert_swiglu", "expert_combine", "gdn_step", "dequant"])
-def test_unfused_moves_its_intermediates(small4, switch):
+def test_unfused_moves_its_intermediates(small4, switch, byte_counting_backend):
     """Off, each decode fusion writes its intermediates and reads them back: activation traffic (read + written)
     grows by at least twice their size. The checkpoint bytes read stay the same: the dequantised copies of
     the dequant fusion off are Role::activations (a per-step scratch written and read back, not stored weights), so the

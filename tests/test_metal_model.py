@@ -106,9 +106,9 @@ def test_prefill_chunking_invariance(kind, ids):
         assert stats(pre, whole_pre)[1] < 5e-3 and stats(dec, whole_dec)[1] < 5e-3
 
 
-def test_decode_counters(ids):
+def test_decode_counters(ids, byte_counting_backend):
     prompt, decode_ids = ids
-    e = engine(tm.BASE, "mlx_q4_bf16", tm.GPU_BACKEND, count_bytes=True)
+    e = engine(tm.BASE, "mlx_q4_bf16", byte_counting_backend, count_bytes=True)
     s = e.new_session()
     e.logits(prompt[:8], s)
     before = e.counters()["decode"]["total"]["cpu_waits"] if e.counters().get("decode") else 0
