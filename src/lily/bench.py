@@ -391,6 +391,36 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
         warmup * len(runners) * (bool(lengths) + bool(contexts)))
     bar = progress_bar(total, progress)
 
+    def timed_rounds(phase: str, n: int, run, counter_entry) -> dict:
+        """`repeats` timed rounds of `run(runner)` at size n, the engines in alternating order; the first round of
+        lily also records its counters (counter_entry(before, after)) when they are asked for."""
+        secs = {name: [] for name in names}
+        for rnd in range(repeats):
+            for name in round_order(rnd, names):
+                r = runners[names.index(name)]
+                bar.set_postfix_str(f"{phase:<7} {n:>6} round {rnd + 1}/{repeats} {name}")
+                mem.mark(name)
+                before = engine.counters() if use_counters and name == "lily" and rnd == 0 else None
+                secs[name].append(run(r))
+                if before is not None:
+                    counter_out[phase][str(n)] = counter_entry(before, engine.counters())
+                order.append({"phase": phase, "length": n, "round": rnd, "engine": name})
+                bar.update()
+        return secs
+
+    def prefill_counters(before, after) -> dict:
+        return {"run": _counter_delta(after["prefill"]["total"], before["prefill"]["total"]),
+                "last": after["prefill"]["last"]}
+
+    def decode_counters(before, after, c: int) -> dict:
+        last = after["decode"]["last"]
+        moved = sum(last["bytes_read"].values()) + sum(last["bytes_written"].values())
+        return {"run": _counter_delta(after["decode"]["total"], before["decode"]["total"]),
+                "last": last,
+                "min_bytes": minimum_decode_bytes(engine.checkpoint, c + decode_tokens - 1),
+                # if decode is bandwidth-bound at the counted bytes of a step (0 without byte counting)
+                "implied_tok_s": {gpu: bw / moved if moved else None for gpu, bw in BANDWIDTHS.items()}}
+
     interrupted = False
     with MemorySampler() as mem:
         try:
@@ -412,21 +442,7 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
                         order.append({"phase": "decode", "length": c, "round": w, "engine": r.name, "warmup": True})
 
             for n in lengths:
-                secs = {name: [] for name in names}
-                for rnd in range(repeats):
-                    for name in round_order(rnd, names):
-                        r = runners[names.index(name)]
-                        bar.set_postfix_str(f"prefill {n:>6} round {rnd + 1}/{repeats} {name}")
-                        mem.mark(name)
-                        before = engine.counters() if use_counters and name == "lily" else None
-                        secs[name].append(r.prefill(prompts[n]))
-                        if before is not None and rnd == 0:
-                            after = engine.counters()
-                            counter_out["prefill"][str(n)] = {
-                                "run": _counter_delta(after["prefill"]["total"], before["prefill"]["total"]),
-                                "last": after["prefill"]["last"]}
-                        order.append({"phase": "prefill", "length": n, "round": rnd, "engine": name})
-                        bar.update()
+                secs = timed_rounds("prefill", n, lambda r: r.prefill(prompts[n]), prefill_counters)
                 entry = {"length": n, **{name: _median_entry(secs[name], n) for name in names}}
                 if len(names) == 2:
                     entry["ratio"] = entry["lily"]["tok_s"] / entry["mlx-lm"]["tok_s"]
@@ -439,26 +455,8 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
                     mem.mark(r.name)
                     ctxs[r.name] = r.context(ctx_ids[c])
                     bar.update()
-                secs = {name: [] for name in names}
-                for rnd in range(repeats):
-                    for name in round_order(rnd, names):
-                        r = runners[names.index(name)]
-                        bar.set_postfix_str(f"decode  {c:>6} round {rnd + 1}/{repeats} {name}")
-                        mem.mark(name)
-                        before = engine.counters() if use_counters and name == "lily" else None
-                        secs[name].append(r.decode(ctxs[name], firsts[c], decode_tokens))
-                        if before is not None and rnd == 0:
-                            after = engine.counters()
-                            last = after["decode"]["last"]
-                            moved = sum(last["bytes_read"].values()) + sum(last["bytes_written"].values())
-                            counter_out["decode"][str(c)] = {
-                                "run": _counter_delta(after["decode"]["total"], before["decode"]["total"]),
-                                "last": last,
-                                "min_bytes": minimum_decode_bytes(engine.checkpoint, c + decode_tokens - 1),
-                                # if decode is bandwidth-bound at the counted bytes of a step (0 without byte counting)
-                                "implied_tok_s": {gpu: bw / moved if moved else None for gpu, bw in BANDWIDTHS.items()}}
-                        order.append({"phase": "decode", "length": c, "round": rnd, "engine": name})
-                        bar.update()
+                secs = timed_rounds("decode", c, lambda r: r.decode(ctxs[r.name], firsts[c], decode_tokens),
+                                    lambda before, after: decode_counters(before, after, c))
                 del ctxs
                 entry = {"context": c, "tokens": decode_tokens}
                 for name in names:
