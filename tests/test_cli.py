@@ -20,7 +20,8 @@ import pytest
 
 import lily
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+# The subprocess imports the lily this test imported (an installed package in CI, src/ in a dev tree).
+SRC = Path(lily.__file__).resolve().parents[1]
 LONG = "ab" * 75_000  # 150 KB, 37,502 tokens: "Argument list too long" as an argument; a minute of prefill
 
 

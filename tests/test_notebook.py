@@ -18,7 +18,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_completion_and_stream_display_in_jupyter(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(HERE.parent / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The kernel imports the lily this test imported (an installed package in CI, src/ in a dev tree).
+    monkeypatch.setenv("PYTHONPATH", str(Path(lily.__file__).resolve().parents[1]) + os.pathsep +
+                       os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(HERE / "notebooks" / "display.ipynb", as_version=4)
     updates: dict[str, list[str]] = {}
 

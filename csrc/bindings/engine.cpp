@@ -360,13 +360,17 @@ void init_engine(nb::module_& m) {
           nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0)
       .def(
           "feed",
-          [](Engine& e, Session& s, TokenArray tokens, int chunk, std::shared_ptr<CancelFlag> cancel) {
+          [](Engine& e, Session& s, TokenArray tokens, int chunk, std::shared_ptr<CancelFlag> cancel,
+             bool logits) -> nb::object {
             std::vector<float> out;
             {
               nb::gil_scoped_release nogil;
-              out = e.feed(s, tokens.data(), int64_t(tokens.shape(0)), chunk, cancel.get());
+              out = e.feed(s, tokens.data(), int64_t(tokens.shape(0)), chunk, cancel.get(), logits);
             }
-            return to_numpy(std::move(out), 1, size_t(e.model().config().vocab));
+            if (!logits) return nb::none();
+            return nb::cast(to_numpy(std::move(out), 1, size_t(e.model().config().vocab)));
           },
-          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0, nb::arg("cancel").none() = nb::none());
+          nb::arg("session"), nb::arg("tokens"), nb::arg("chunk") = 0, nb::arg("cancel").none() = nb::none(),
+          nb::arg("logits") = true,
+          "Feeds tokens; the last one's logits [1, V], or None without `logits` (then nothing waits for the device).");
 }

@@ -70,7 +70,8 @@ std::vector<float> Engine::logits(Session& s, const int32_t* tokens, int64_t n, 
   return out;
 }
 
-void Engine::prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bool select, const CancelFlag* cancel) {
+void Engine::prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bool select, const CancelFlag* cancel,
+                     bool logits) {
   const int rows = chunk_rows(chunk);
   for (int64_t i = 0; i < n; i += rows) {
     if (cancel && cancel->is_set()) {
@@ -81,25 +82,29 @@ void Engine::prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bo
     const int T = int(std::min<int64_t>(rows, n - i));
     const bool last = i + T == n;
     schedule::prefill_chunk(*backend_, *model_, fusions_, *s.state, tokens + i, T,
-                            last ? schedule::Logits::last : schedule::Logits::none, last && select);
+                            last && logits ? schedule::Logits::last : schedule::Logits::none, last && select);
   }
   s.tokens.insert(s.tokens.end(), tokens, tokens + n);
   s.prefilled += n;
 }
 
-std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, int chunk, const CancelFlag* cancel) {
+std::vector<float> Engine::feed(Session& s, const int32_t* tokens, int64_t n, int chunk, const CancelFlag* cancel,
+                                bool logits) {
   if (n <= 0) throw std::invalid_argument("[engine] nothing to feed");
   check_context(s, n);
   check_tokens(tokens, n, model_->config().vocab);
-  std::vector<float> out(size_t(model_->config().vocab));
   if (n == 1) {
     schedule::decode_step(*backend_, *model_, fusions_, *s.state, tokens);
     s.decoded += 1;
     s.tokens.push_back(tokens[0]);
   } else {
-    prefill(s, tokens, n, chunk, false, cancel);
+    prefill(s, tokens, n, chunk, false, cancel, logits);
   }
-  backend_->read_logits(out.data(), 1);
+  std::vector<float> out;
+  if (logits) {
+    out.resize(size_t(model_->config().vocab));
+    backend_->read_logits(out.data(), 1);
+  }
   return out;
 }
 

@@ -114,15 +114,19 @@ class Engine {
   // schedule in chunks of at most `chunk` rows (0 = the backend's limit); a single token runs the decode step.
   std::vector<float> logits(Session& s, const int32_t* tokens, int64_t n, int chunk = 0);
 
-  // Feed `tokens` and return the logits of the last one only [V]. `cancel`: checked before every chunk.
-  std::vector<float> feed(Session& s, const int32_t* tokens, int64_t n, int chunk = 0, const CancelFlag* cancel = nullptr);
+  // Feed `tokens` and return the logits of the last one only [V]. `cancel`: checked before every chunk. Without
+  // `logits` nothing is read back (an empty result) and nothing waits for the device but the in-flight cap, so a
+  // caller feeding a prompt chunk by chunk (the Python API, for its progress callback) keeps the GPU busy.
+  std::vector<float> feed(Session& s, const int32_t* tokens, int64_t n, int chunk = 0, const CancelFlag* cancel = nullptr,
+                          bool logits = true);
 
  private:
   friend class Generation;
   void check_context(const Session& s, int64_t n) const;
   // Runs tokens [0, n) of a prompt through the prefill schedule in chunks (the last one with the logits of its
-  // last row, selecting the next token on the device when `select`); throws Cancelled between chunks.
-  void prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bool select, const CancelFlag* cancel);
+  // last row when `logits`, selecting the next token on the device when `select`); throws Cancelled between chunks.
+  void prefill(Session& s, const int32_t* tokens, int64_t n, int chunk, bool select, const CancelFlag* cancel,
+               bool logits = true);
   int chunk_rows(int chunk) const;
 
   std::shared_ptr<Model> model_;

@@ -479,7 +479,7 @@ class Engine:
                 core, cached = self._core.new_session(), 0
                 prefill = _Prefill(self, req, core, len(ids))
                 last = prefill.last_chunk_start(len(ids))
-                prefill.feed(ids[:last])
+                prefill.feed(ids[:last], logits=False)
                 gen = self._core.generation(core, np.asarray(ids[last:], np.int32), req.max_tokens, req.stop_ids,
                                             req.params, req.chunk, cancel=req.cancel)
             else:
@@ -492,7 +492,7 @@ class Engine:
                     # next turn's prompt diverges at the earliest) and at the end of the prompt (with its logits).
                     pos = cached
                     if pos < req.boundary < len(ids):
-                        prefill.feed(ids[pos:req.boundary])
+                        prefill.feed(ids[pos:req.boundary], logits=False)
                         plan.added.append(snap := sess._snapshot_of(core, "boundary"))
                         sess._add(snap)
                         pos = req.boundary
@@ -637,13 +637,17 @@ class _Prefill:
         if self.req.progress is not None:
             self.req.progress(PrefillProgress(self.done, self.total, time.perf_counter() - self.t0))
 
-    def feed(self, ids: list[int]) -> np.ndarray | None:
-        """Feeds `ids`; the logits of the last one [V] (None when there is nothing to feed)."""
+    def feed(self, ids: list[int], logits: bool = True) -> np.ndarray | None:
+        """Feeds `ids`; with `logits` the logits of the last one [V], else None (as when there is nothing to feed).
+        Only that last read waits for the device: the chunks before it are committed without a read, so the GPU
+        keeps two in flight and `done` counts the tokens submitted (at most two chunks ahead of the GPU)."""
         starts = self._starts(len(ids))
         last = None
-        for b, e in zip(starts, starts[1:] + [len(ids)]):
+        ends = starts[1:] + [len(ids)]
+        for b, e in zip(starts, ends):
             part = np.asarray(ids[b:e], np.int32)
-            last = self.engine._core.feed(self.core, part, self.req.chunk, self.req.cancel)[0]
+            out = self.engine._core.feed(self.core, part, self.req.chunk, self.req.cancel, logits and e == ends[-1])
+            last = None if out is None else out[0]
             self.done += len(part)
             self._report()
         return last

@@ -327,7 +327,7 @@ void GpuBackend::select_begin(const Sampler& sampler) {
   draws_ = sampler.draws();
   plain_greedy_ = params_.greedy() && !params_.penalised();
   if (plain_greedy_) return;
-  finish();  // an earlier generation's last step may still read or write the tables
+  wait_until(tables_used_by_);  // an earlier generation's last step may still read or write the tables
   if (!seen_) {
     seen_ = dev_->alloc(uint64_t(c_.vocab), Role::io, "sample.seen");
     counts_ = dev_->alloc(uint64_t(c_.vocab) * 4, Role::io, "sample.counts");
@@ -342,6 +342,7 @@ void GpuBackend::select_token() {
   if (logit_rows_ != 1) throw std::logic_error(tag() + " select_token() needs a one-row lm_head first");
   encode_select({last_logits_}, {tokens_[slot_ ^ 1].get()}, plain_greedy_ ? nullptr : &params_, draws_,
                 {seen_.get()}, {counts_.get()});
+  if (!plain_greedy_) tables_used_by_ = committed_ + 1;  // the command buffer being recorded
   if (!params_.greedy()) ++draws_;
   unread_.push_back({0, slot_ ^ 1, last_logits_});
 }

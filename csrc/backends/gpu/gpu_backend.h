@@ -122,6 +122,9 @@ class GpuBackend : public Backend {
   SamplingParams params_;
   uint64_t draws_ = 0;
   bool plain_greedy_ = true;
+  // The last command buffer (by seq) whose selection reads or writes the penalty tables: select_begin waits for
+  // it alone before rewriting them, not for prefill chunks still in flight.
+  uint64_t tables_used_by_ = 0;
   struct Unread {
     uint64_t seq;  // the command buffer that selects it (0: being recorded)
     int slot;
