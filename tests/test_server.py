@@ -108,10 +108,10 @@ class CoreProxy:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def feed(self, session, ids, chunk=0, cancel=None):
+    def feed(self, session, ids, chunk=0, cancel=None, logits=True):
         self.fed += len(ids)
         self.cancels.append(cancel)
-        return self._real.feed(session, ids, chunk, cancel)
+        return self._real.feed(session, ids, chunk, cancel, logits)
 
     def generation(self, session, prompt, max_tokens, stop_ids, params, chunk=0, first_logits=None, cancel=None):
         self.fed += len(prompt)
