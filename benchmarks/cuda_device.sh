@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-build test synth bench}  # also: profile
+STEPS=${STEPS:-build test synth bench chunk512 lilybench}  # also: profile ncu
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee
 if has build; then
   log build
   cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" \
-    >"$OUT/build.log" 2>&1 && cmake --build build/dev -j16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    -DLILY_METAL_EMU=OFF >"$OUT/build.log" 2>&1 && cmake --build build/dev -j16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   ln -sf "$PWD"/build/dev/_core*.so src/lily/
   python3 -c "import lily; print('cuda:', lily.backend_unavailable('cuda') or 'available')"
 fi
@@ -43,22 +43,42 @@ PY
   LILY_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -rA tests/test_one_row_chunks.py -p no:cacheprovider 2>&1 \
     | grep -v "leaked\|^ - " >"$OUT/test_one_row.log"; grep -E "passed|failed|PASSED|FAILED|ERROR" "$OUT/test_one_row.log" | tail -12
 fi
+wait_synth() { [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; tail -3 "$OUT/synth.log"; }; }
 if has bench; then
-  [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; tail -3 "$OUT/synth.log"; }
+  wait_synth
   log bench
   timeout 300 python3 benchmarks/cuda_bench.py --model /tmp/synth-full --lengths ${LENGTHS:-512,4096} \
     --contexts ${CONTEXTS:-128,1024,4096} --decode-tokens 64 --repeats 3 --json "$OUT/cuda_full.json" 2>&1 \
     | tee "$OUT/bench.log"
+fi
+if has chunk512; then
+  wait_synth
   timeout 120 python3 benchmarks/cuda_bench.py --model /tmp/synth-full --lengths 4096 --contexts 4096 \
     --prefill-chunk 512 --decode-tokens 16 --repeats 2 --json "$OUT/cuda_full_chunk512.json" 2>&1 | grep prefill
+fi
+if has lilybench; then
+  wait_synth
   timeout 200 python3 -m lily.cli bench --backend cuda --model /tmp/synth-full --lengths 4096 --contexts 4096 \
     --decode-tokens 32 --repeats 2 --quiet --json "$OUT/lily_bench_cuda_full.json" 2>&1 | tail -15
 fi
 if has profile; then
-  [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; }
+  wait_synth
   log profile
   timeout 200 python3 benchmarks/cuda_profile.py --model /tmp/synth-full --prompt 4096 --chunk 2048 2>&1 \
     | grep -v "^STAGE\|Warning" | tee "$OUT/profile.log"
+fi
+if has ncu; then
+  # hardware counters of one decode layer's kernels (a penalised sampler: the step runs without its graph)
+  wait_synth
+  log ncu
+  timeout 240 ncu --clock-control none -k "regex:${NCU_KERNELS:-gemv_kernel|moe_gate_up|moe_down|gdn_scan_kernel|gdn_conv_kernel|attention}" \
+    --launch-skip ${NCU_SKIP:-200} --launch-count ${NCU_COUNT:-16} --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section Occupancy --section LaunchStats --section WarpStateStats python3 -c "
+import numpy as np, lily
+e = lily.Engine.from_pretrained('/tmp/synth-full', backend='cuda', prefill_chunk=512)
+ids = np.random.default_rng(0).integers(0, e.config.vocab_size, 64).tolist()
+e.generate(ids, max_tokens=8, temperature=0, repetition_penalty=1.1)
+" >"$OUT/ncu.log" 2>&1; grep -E "^  [a-z_:]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit Reg|Grid Size" "$OUT/ncu.log" | head -150
 fi
 # at most 8 files come back: the logs travel as one archive
 (cd "$OUT" && tar czf logs.tar.gz *.log && rm -f *.log)

@@ -69,6 +69,9 @@ class CudaBackend final : public Backend {
     if (!why.empty()) throw std::runtime_error("[cuda] " + why);
     check_geometry();
     CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    int device = 0;
+    CK(cudaGetDevice(&device));
+    CK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
     upload_weights();
     for (int a = 0; a < int(Act::count); ++a) {
       width_[a] = act_width(c_, Act(a));
@@ -413,7 +416,6 @@ class CudaBackend final : public Backend {
     const MoeWeights& M = m_.layers[layer].moe;
     matmul(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts, false);
     matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false);
-    topk(T);
   }
 
   void moe_norm_route(int layer, const Vec& w) override {
@@ -423,7 +425,6 @@ class CudaBackend final : public Backend {
     add_job(jobs, M.router, router_);
     add_job(jobs, M.shared_gate, shared_logit_);
     gemv(jobs, act(Act::x), vec(w), act(Act::xn));
-    topk(1);
   }
 
   void moe_prefill(int layer, int T) override {
@@ -431,6 +432,7 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
     const int K = c_.top_k, E = c_.experts, H = c_.hidden, I = c_.moe_inter, Is = c_.shared_inter, TK = T * K;
+    topk_kernel<<<(T + 3) / 4, 128, 4 * E * sizeof(float), stream_>>>(router_, E, K, T, route_ids_, route_w_);
     moe_group_kernel<<<1, 1024, 2 * E * sizeof(int), stream_>>>(route_ids_, TK, E, counts_, offsets_, perm_, inv_);
     const float* xn = act(Act::xn);
     grouped(M.gate, xn, H, T, perm_, K, g_, I);
@@ -447,12 +449,17 @@ class CudaBackend final : public Backend {
   void moe_decode(int layer) override {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
-    const int K = c_.top_k, H = c_.hidden;
-    moe_gate_up_kernel<<<dim3((imax_ + kGemvBlockRows - 1) / kGemvBlockRows, K + 1), kGemvWarps * 32, H * 4,
-                         stream_>>>(
-        lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), act(Act::xn), H, route_ids_, K, hbuf_,
-        imax_);
-    moe_down_kernel<<<(H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, ((K + 1) * imax_ + 2 * K) * 4, stream_>>>(
+    const int K = c_.top_k, H = c_.hidden, E = c_.experts;
+    // rows per warp: the 9 (expert, width) slices give few rows; one a warp once that fills the SMs twice
+    const int r = (K + 1) * imax_ >= 2 * sms_ * kGemvWarps * 2 ? 2 : 1;
+    const dim3 grid((imax_ + kGemvWarps * r - 1) / (kGemvWarps * r), K + 1);
+    const size_t smem = (padded_floats(H) + E) * sizeof(float);
+    auto gate_up = r == 2 ? moe_gate_up_kernel<2> : moe_gate_up_kernel<1>;
+    gate_up<<<grid, kGemvWarps * 32, smem, stream_>>>(lin(M.gate), lin(M.up), lin(M.shared_gate_proj),
+                                                      lin(M.shared_up), act(Act::xn), H, router_, E, K,
+                                                      route_ids_, route_w_, hbuf_, imax_);
+    moe_down_kernel<<<(H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32,
+                      (padded_floats((K + 1) * imax_) + 2 * K) * sizeof(float), stream_>>>(
         lin(M.down), lin(M.shared_down), hbuf_, imax_, route_ids_, route_w_, shared_logit_, K, act(Act::x));
   }
 
@@ -529,7 +536,7 @@ class CudaBackend final : public Backend {
     need(c_.lin_dk == 32 || c_.lin_dk == 64 || c_.lin_dk == 128, "linear_key_head_dim " + std::to_string(c_.lin_dk));
     need(c_.lin_dv % 32 == 0 && c_.lin_dv <= 512, "linear_value_head_dim " + std::to_string(c_.lin_dv));
     need(c_.conv_kernel >= 1 && c_.conv_kernel <= 8, "linear_conv_kernel_dim " + std::to_string(c_.conv_kernel));
-    need(c_.top_k <= 32 && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
+    need(c_.top_k <= kMaxTopK && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
     need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));
   }
 
@@ -620,8 +627,10 @@ class CudaBackend final : public Backend {
 
   void gemv(GemvJobs& jobs, const float* x, const float* norm, float* xn_out) {
     const int rows = jobs.first[jobs.n], cols = jobs.W[0].cols;
-    gemv_kernel<<<(rows + kGemvBlockRows - 1) / kGemvBlockRows, kGemvWarps * 32, cols * 4, stream_>>>(
-        jobs, x, cols, norm, c_.rms_eps, xn_out);
+    const int r = gemv_rows_per_warp(rows, sms_);
+    auto kernel = r == 4 ? gemv_kernel<4> : r == 2 ? gemv_kernel<2> : gemv_kernel<1>;
+    kernel<<<(rows + kGemvWarps * r - 1) / (kGemvWarps * r), kGemvWarps * 32, padded_floats(cols) * sizeof(float),
+             stream_>>>(jobs, x, cols, norm, c_.rms_eps, xn_out);
   }
 
   // Y (+)= W · X for T rows: a warp-per-row GEMV for one row, the tensor-core GEMM for more.
@@ -649,10 +658,6 @@ class CudaBackend final : public Backend {
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {
     swiglu_kernel<<<int((n + 255) / 256), 256, 0, stream_>>>(g, u, h, n);
-  }
-
-  void topk(int T) {
-    topk_kernel<<<(T + 3) / 4, 128, 4 * c_.experts * sizeof(float), stream_>>>(router_, c_.experts, c_.top_k, T, route_ids_, route_w_);
   }
 
   void attention(int layer, int T, int64_t pos, int splits) {
@@ -710,7 +715,7 @@ class CudaBackend final : public Backend {
   LinDev embed_;
   int64_t width_[int(Act::count)] = {};
   float* act_[int(Act::count)] = {};
-  int logit_rows_ = 0, imax_ = 0;
+  int logit_rows_ = 0, imax_ = 0, sms_ = 1;
   float *qbuf_ = nullptr, *conv_out_ = nullptr, *attn_part_ = nullptr, *router_ = nullptr, *shared_logit_ = nullptr;
   int32_t* route_ids_ = nullptr;
   float* route_w_ = nullptr;

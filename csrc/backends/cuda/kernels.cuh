@@ -107,22 +107,41 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-// Row r of W (expert e) · x (x in shared memory, W.cols long), summed over the warp.
-__device__ __forceinline__ float warp_dot_row(const LinDev& W, int e, int r, const float* x) {
+// Decode stages its input row in shared memory as 32-float chunks, each padded to 36 floats. A lane reads whole
+// chunks (its 16-byte load of 4-bit codes covers 32 columns) with float4 loads; padded, the 8 lanes of one
+// 128-bit load phase touch 8 different groups of four banks. Unpadded every chunk starts at bank 0, so each
+// load was an 8-way conflict (32-way as scalar loads): the first decode kernels moved weights at 0.1-0.4 TB/s.
+constexpr int kChunkPad = 36;
+__host__ __device__ constexpr int padded(int j) { return (j >> 5) * kChunkPad + (j & 31); }
+__host__ __device__ constexpr int padded_floats(int n) { return (n + 31) / 32 * kChunkPad; }
+
+__device__ __forceinline__ void load_chunk(const float* xs, int c0, float* v) {
+  const float4* p = reinterpret_cast<const float4*>(xs + padded(c0));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float4 f = p[i];
+    v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+  }
+}
+
+// Row r of W (expert e) · x (x staged as above, W.cols long), summed over the warp.
+__device__ __forceinline__ float warp_dot_row(const LinDev& W, int e, int r, const float* xs) {
   const int lane = threadIdx.x & 31;
   float acc = 0.f;
   for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32) {
-    float v[32];
+    float v[32], x[32];
     dequant32(W, e, r, c0, v);
+    load_chunk(xs, c0, x);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc = fmaf(v[i], x[c0 + i], acc);
+    for (int i = 0; i < 32; ++i) acc = fmaf(v[i], x[i], acc);
   }
   return warp_sum(acc);
 }
 
 // Decode's GEMVs are latency-bound unless each lane has several weight loads in flight: R rows of one matrix
-// at once, every row's 16-byte load of a column chunk issued before the first of them is used. 4-bit rows
-// take that path; other formats go row by row through dequant32. Results reduced over the warp into out[R].
+// (of two, A and B, with the same geometry: the experts' gate and up) at U column chunks each, every 16-byte
+// load issued before the first of them is used. 4-bit rows take that path; other formats go row by row
+// through dequant32. Results reduced over the warp into outA[R] (and outB[R]).
 struct Q4Chunk {
   uint4 q;
   float scale, bias;
@@ -133,53 +152,76 @@ __device__ __forceinline__ Q4Chunk load_q4(const LinDev& W, int e, int r, int c0
   return {*reinterpret_cast<const uint4*>(W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row + c0 / 2),
           load_param(W.s + s_off, W.sdt, g), load_param(W.b + s_off, W.sdt, g)};
 }
-__device__ __forceinline__ float dot_q4(const Q4Chunk& c, const float* x, float acc) {
+// Σ x·(s·q + b) = s·Σ x·q + b·Σ x, with Σ x (xsum) computed once per chunk for all rows.
+__device__ __forceinline__ float dot_q4(const Q4Chunk& c, const float* x, float xsum, float acc) {
   const uint32_t w[4] = {c.q.x, c.q.y, c.q.z, c.q.w};
-  float codes = 0.f, sum = 0.f;  // Σ x·(s·q + b) = s·Σ x·q + b·Σ x
+  float codes = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float xv = x[8 * i + k];
-      codes = fmaf(float((w[i] >> (4 * k)) & 15u), xv, codes);
-      sum += xv;
-    }
-  return fmaf(c.scale, codes, fmaf(c.bias, sum, acc));
+    for (int k = 0; k < 8; ++k) codes = fmaf(float((w[i] >> (4 * k)) & 15u), x[8 * i + k], codes);
+  return fmaf(c.scale, codes, fmaf(c.bias, xsum, acc));
 }
 
-template <int R>
-__device__ __forceinline__ void warp_dot_rows(const LinDev& W, const int* e, const int* r, const float* x,
-                                              float* out) {
+template <int R, int U, bool kPair>
+__device__ __forceinline__ void warp_dot_rows(const LinDev& A, const LinDev& B, const int* e, const int* r,
+                                              const float* xs, float* outA, float* outB) {
+  constexpr int M = kPair ? 2 : 1;
   const int lane = threadIdx.x & 31;
-  float acc[R];
+  float acc[M][R];
 #pragma unroll
-  for (int i = 0; i < R; ++i) acc[i] = 0.f;
-  if (W.bits == 4) {
-#pragma unroll 2
-    for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32) {
-      Q4Chunk c[R];
+  for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int i = 0; i < R; ++i) c[i] = load_q4(W, e[i], r[i], c0);
+    for (int i = 0; i < R; ++i) acc[m][i] = 0.f;
+  if (A.bits == 4 && (!kPair || B.bits == 4)) {
+    for (int c0 = lane * 32; c0 < A.cols; c0 += 32 * 32 * U) {
+      Q4Chunk c[U][M][R];
 #pragma unroll
-      for (int i = 0; i < R; ++i) acc[i] = dot_q4(c[i], x + c0, acc[i]);
+      for (int u = 0; u < U; ++u)
+        if (c0 + 1024 * u < A.cols)
+#pragma unroll
+          for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int i = 0; i < R; ++i) c[u][m][i] = load_q4(m ? B : A, e[i], r[i], c0 + 1024 * u);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (c0 + 1024 * u < A.cols) {
+          float x[32];
+          load_chunk(xs, c0 + 1024 * u, x);
+          float xsum = 0.f;
+#pragma unroll
+          for (int k = 0; k < 32; ++k) xsum += x[k];
+#pragma unroll
+          for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int i = 0; i < R; ++i) acc[m][i] = dot_q4(c[u][m][i], x, xsum, acc[m][i]);
+        }
     }
   } else {
-    for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32)
+    for (int c0 = lane * 32; c0 < A.cols; c0 += 32 * 32) {
+      float x[32];
+      load_chunk(xs, c0, x);
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        float v[32];
-        dequant32(W, e[i], r[i], c0, v);
+      for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int k = 0; k < 32; ++k) acc[i] = fmaf(v[k], x[c0 + k], acc[i]);
-      }
+        for (int i = 0; i < R; ++i) {
+          float v[32];
+          dequant32(m ? B : A, e[i], r[i], c0, v);
+#pragma unroll
+          for (int k = 0; k < 32; ++k) acc[m][i] = fmaf(v[k], x[k], acc[m][i]);
+        }
+    }
   }
 #pragma unroll
-  for (int i = 0; i < R; ++i) out[i] = warp_sum(acc[i]);
+  for (int i = 0; i < R; ++i) {
+    outA[i] = warp_sum(acc[0][i]);
+    if (kPair) outB[i] = warp_sum(acc[M - 1][i]);
+  }
 }
 
-// n floats (a multiple of 4, 16-byte aligned) from global into shared memory, each thread's float4 loads issued
-// together (a loop of dependent load/store pairs costs a memory latency per element the thread copies);
-// returns this thread's sum of squares of what it copied.
+// n floats (a multiple of 4, 16-byte aligned) from global into shared memory, padded as above, each thread's
+// float4 loads issued together (a loop of dependent load/store pairs costs a memory latency per element the
+// thread copies); returns this thread's sum of squares of what it copied.
 __device__ __forceinline__ float stage(const float* src, int n, float* dst) {
   constexpr int kBatch = 8;
   float ss = 0.f;
@@ -193,7 +235,7 @@ __device__ __forceinline__ float stage(const float* src, int n, float* dst) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int i = base + b * blockDim.x * 4;
-      if (i < n) *reinterpret_cast<float4*>(dst + i) = v[b];
+      if (i < n) *reinterpret_cast<float4*>(dst + padded(i)) = v[b];
       ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
     }
   }
@@ -206,14 +248,14 @@ __device__ __forceinline__ void stage_row(const float* x, int cols, const float*
   const float ss = stage(x, cols, xs);
   if (norm) {
     const float inv = rsqrtf(block_sum(ss, scratch32) / float(cols) + eps);
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) xs[j] = xs[j] * inv * norm[j];
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) xs[padded(j)] *= inv * norm[j];
   }
   __syncthreads();
 }
 
 // ---------------------------------------------------------------- one-row projections (GEMV)
 
-// Up to four matrices sharing one input row, their output rows numbered one after another; one warp per row.
+// Up to four matrices sharing one input row, their output rows numbered one after another.
 struct GemvJobs {
   LinDev W[4];
   float* out[4];
@@ -222,47 +264,54 @@ struct GemvJobs {
   bool accumulate = false;
 };
 
-constexpr int kGemvWarps = 8, kGemvRows = 4;  // rows per warp
-constexpr int kGemvBlockRows = kGemvWarps * kGemvRows;
+constexpr int kGemvWarps = 8;
+// R rows per warp: fewer for smaller matrices, so that every SM gets at least two blocks (a 2,048-row output
+// at four rows a warp fills 64 blocks, half the H200's SMs); 8 / R column chunks a lane in flight.
+inline int gemv_rows_per_warp(int rows, int sms) {
+  if (rows >= 2 * sms * kGemvWarps * 4) return 4;
+  if (rows >= 2 * sms * kGemvWarps * 2) return 2;
+  return 1;
+}
 
 // out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null); `xn_out`, when given, receives the staged row
-// (block 0), for the ops after a fused norm that read xn. Each warp kGemvRows consecutive rows (job sizes are
-// multiples of kGemvRows but for tails, which go row by row).
-__global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(GemvJobs jobs, const float* x, int cols,
+// (block 0), for the ops after a fused norm that read xn. Each warp R consecutive rows (job sizes are
+// multiples of R but for tails, which go row by row).
+template <int R>
+__global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_kernel(GemvJobs jobs, const float* x, int cols,
                                                                 const float* norm, float eps, float* xn_out) {
   extern __shared__ float xs[];
   __shared__ float scratch[32];
   stage_row(x, cols, norm, eps, xs, scratch);
   if (xn_out && blockIdx.x == 0)
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) xn_out[j] = xs[j];
-  const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) xn_out[j] = xs[padded(j)];
+  const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * R;
   if (r0 >= jobs.first[jobs.n]) return;
   int j = 0;
   while (r0 >= jobs.first[j + 1]) ++j;
   const int row = r0 - jobs.first[j];
   const int lane = threadIdx.x & 31;
-  const int zero[kGemvRows] = {};
-  if (r0 + kGemvRows <= jobs.first[j + 1]) {
-    int rows[kGemvRows];
-    float v[kGemvRows];
+  const int zero[R] = {};
+  if (r0 + R <= jobs.first[j + 1]) {
+    int rows[R];
+    float v[R];
 #pragma unroll
-    for (int i = 0; i < kGemvRows; ++i) rows[i] = row + i;
-    warp_dot_rows<kGemvRows>(jobs.W[j], zero, rows, xs, v);
-    if (lane < kGemvRows) {
+    for (int i = 0; i < R; ++i) rows[i] = row + i;
+    warp_dot_rows<R, 8 / R, false>(jobs.W[j], jobs.W[j], zero, rows, xs, v, nullptr);
+    if (lane < R) {
       float vl = v[0];
 #pragma unroll
-      for (int i = 1; i < kGemvRows; ++i) vl = lane == i ? v[i] : vl;
+      for (int i = 1; i < R; ++i) vl = lane == i ? v[i] : vl;
       float* o = jobs.out[j] + row + lane;
       *o = jobs.accumulate ? *o + vl : vl;
     }
     return;
   }
   // a tail: the rows left in this job, then those of the jobs after it
-  for (int r = r0; r < r0 + kGemvRows && r < jobs.first[jobs.n]; ++r) {
+  for (int r = r0; r < r0 + R && r < jobs.first[jobs.n]; ++r) {
     while (r >= jobs.first[j + 1]) ++j;
     const int rr = r - jobs.first[j];
     float v;
-    warp_dot_rows<1>(jobs.W[j], zero, &rr, xs, &v);
+    warp_dot_rows<1, 8, false>(jobs.W[j], jobs.W[j], zero, &rr, xs, &v, nullptr);
     if (lane == 0) {
       float* o = jobs.out[j] + rr;
       *o = jobs.accumulate ? *o + v : v;
@@ -735,25 +784,20 @@ __global__ void gdn_gated_norm_kernel(float* mix, int ldmix, const float* z, con
 
 // ---------------------------------------------------------------- MoE
 
-// Router softmax over E logits, top-k (ties to the lower id, as the reference), renormalised weights. One
-// warp per row, the row's logits in shared memory (E floats per warp): K rounds of a warp argmax, each taken
-// logit then set to -inf.
-__global__ void topk_kernel(const float* logits, int E, int K, int T, int32_t* ids, float* weights) {
-  extern __shared__ float rows[];
-  const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int t = blockIdx.x * (blockDim.x >> 5) + wi;
-  if (t >= T) return;
-  const float* p = logits + int64_t(t) * E;
-  float* l = rows + wi * E;
+// Router softmax over E logits, top-k (ties to the lower id, as the reference), renormalised weights, by one
+// warp; `l` holds the row's E logits in shared memory (overwritten: K rounds of a warp argmax, each taken
+// logit then set to -inf). Lane k < K returns the k-th id and weight.
+__device__ __forceinline__ void warp_topk(const float* logits, float* l, int E, int K, int& id, float& weight) {
+  const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
-  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e] = p[e]);
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e] = logits[e]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0.f;
   for (int e = lane; e < E; e += 32) sum += expf(l[e] - mx);
   sum = warp_sum(sum);
   __syncwarp();
-  float mine = 0.f, top = 0.f;  // lane k keeps the k-th weight
+  float mine = 0.f, top = 0.f;
   int mine_id = 0;
   for (int k = 0; k < K; ++k) {
     float best = -INFINITY;
@@ -773,10 +817,20 @@ __global__ void topk_kernel(const float* logits, int E, int K, int T, int32_t* i
     if (lane == 0) l[bi] = -INFINITY;
     __syncwarp();
   }
-  if (lane < K) {
-    ids[int64_t(t) * K + lane] = mine_id;
-    weights[int64_t(t) * K + lane] = mine / top;
-  }
+  id = mine_id;
+  weight = mine / top;
+}
+
+// The routes of T rows (prefill), one warp per row.
+__global__ void topk_kernel(const float* logits, int E, int K, int T, int32_t* ids, float* weights) {
+  extern __shared__ float rows[];
+  const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + wi;
+  if (t >= T) return;
+  int id;
+  float w;
+  warp_topk(logits + int64_t(t) * E, rows + wi * E, E, K, id, w);
+  if (lane < K) ids[int64_t(t) * K + lane] = id, weights[int64_t(t) * K + lane] = w;
 }
 
 // Assignment slots s = t·K + j grouped by expert: counts, offsets (exclusive scan), perm[position] = slot and
@@ -819,34 +873,44 @@ __global__ void moe_combine_kernel(float* x, const float* Y, const float* SY, co
   }
 }
 
-// Decode: h_j ← SiLU(gate_e · xn) ⊙ (up_e · xn) for the K routed experts e = ids[j] (blockIdx.y = j) and the
-// shared expert (blockIdx.y = K); kGemvRows rows per warp.
-__global__ void __launch_bounds__(kGemvWarps * 32) moe_gate_up_kernel(LinDev gate, LinDev up, LinDev sgate,
+// Decode: the route (top-k of the router logits, recomputed by warp 0 of every block: cheaper than a kernel of
+// its own between the router GEMV and this one; block 0 stores it for moe_down_kernel), then
+// h_j ← SiLU(gate_e · xn) ⊙ (up_e · xn) for the K routed experts e = ids[j] (blockIdx.y = j) and the shared
+// expert (blockIdx.y = K); R rows of gate and up per warp.
+constexpr int kMaxTopK = 32;
+template <int R>
+__global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_gate_up_kernel(LinDev gate, LinDev up, LinDev sgate,
                                                                        LinDev sup, const float* xn, int H,
-                                                                       const int32_t* ids, int K, float* h,
+                                                                       const float* router, int E, int K,
+                                                                       int32_t* ids, float* weights, float* h,
                                                                        int ldh) {
-  extern __shared__ float xs[];
+  extern __shared__ float xs[];  // the staged xn, then E floats for the top-k
+  __shared__ int route[kMaxTopK];
   stage(xn, H, xs);
+  const int slot = blockIdx.y, lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {
+    int id;
+    float w;
+    warp_topk(router, xs + padded_floats(H), E, K, id, w);
+    if (lane < K) {
+      route[lane] = id;
+      if (blockIdx.x == 0 && blockIdx.y == 0) ids[lane] = id, weights[lane] = w;
+    }
+  }
   __syncthreads();
-  const int slot = blockIdx.y, r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * kGemvRows;
+  const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * R;
   const bool shared = slot == K;
   const int rows_of = shared ? sgate.rows : gate.rows;
   if (r0 >= rows_of) return;
-  const int e = shared ? 0 : ids[slot];
-  int es[kGemvRows], rows[kGemvRows];
+  const int e = shared ? 0 : route[slot];
+  int es[R], rows[R];
 #pragma unroll
-  for (int i = 0; i < kGemvRows; ++i) es[i] = e, rows[i] = min(r0 + i, rows_of - 1);
-  float g[kGemvRows], u[kGemvRows];
-  if (shared) {
-    warp_dot_rows<kGemvRows>(sgate, es, rows, xs, g);
-    warp_dot_rows<kGemvRows>(sup, es, rows, xs, u);
-  } else {
-    warp_dot_rows<kGemvRows>(gate, es, rows, xs, g);
-    warp_dot_rows<kGemvRows>(up, es, rows, xs, u);
-  }
-  const int lane = threadIdx.x & 31;
+  for (int i = 0; i < R; ++i) es[i] = e, rows[i] = min(r0 + i, rows_of - 1);
+  float g[R], u[R];
+  if (shared) warp_dot_rows<R, 2, true>(sgate, sup, es, rows, xs, g, u);
+  else warp_dot_rows<R, 2, true>(gate, up, es, rows, xs, g, u);
 #pragma unroll
-  for (int i = 0; i < kGemvRows; ++i)
+  for (int i = 0; i < R; ++i)
     if (lane == i && r0 + i < rows_of) h[slot * ldh + r0 + i] = siluf_(g[i]) * u[i];
 }
 
@@ -855,8 +919,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_gate_up_kernel(LinDev gat
 __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, LinDev sdown, const float* h, int ldh,
                                                                     const int32_t* ids, const float* w,
                                                                     const float* sg, int K, float* x) {
-  extern __shared__ float hs[];  // [(K + 1) · ldh] h, then the K routing weights and expert ids
-  float* ws = hs + (K + 1) * ldh;
+  extern __shared__ float hs[];  // [(K + 1) · ldh] h (padded), then the K routing weights and expert ids
+  float* ws = hs + padded_floats((K + 1) * ldh);
   int* es = reinterpret_cast<int*>(ws + K);
   stage(h, (K + 1) * ldh, hs);
   if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
@@ -879,13 +943,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, 
         const int it = it0 + 32 * b;
         if (it >= items) break;
         const int j = it / n, c0 = (it % n) * 32;
-        acc += (j < K ? ws[j] : shared_w) * dot_q4(c[b], hs + j * ldh + c0, 0.f);
+        float hv[32];
+        load_chunk(hs, j * ldh + c0, hv);
+        float hsum = 0.f;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) hsum += hv[k];
+        acc += (j < K ? ws[j] : shared_w) * dot_q4(c[b], hv, hsum, 0.f);
       }
     }
     acc = warp_sum(acc);
   } else {
-    for (int j = 0; j < K; ++j) acc += ws[j] * warp_dot_row(down, es[j], r, hs + j * ldh);
-    acc += shared_w * warp_dot_row(sdown, 0, r, hs + K * ldh);
+    for (int j = 0; j < K; ++j) acc += ws[j] * warp_dot_row(down, es[j], r, hs + padded(j * ldh));
+    acc += shared_w * warp_dot_row(sdown, 0, r, hs + padded(K * ldh));
   }
   if (lane == 0) x[r] += acc;
 }
