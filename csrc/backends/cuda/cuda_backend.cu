@@ -262,7 +262,7 @@ class CudaBackend final : public Backend {
       // Device greedy selection is part of every decode graph (a step that does not select only leaves the
       // token slot overwritten by the next embed).
       if (mode_ == Mode::capturing) {
-        argmax_kernel<<<1, 1024, 0, stream_>>>(act(Act::logits), c_.vocab, tok_dev_);
+        launch_dependent(argmax_kernel, 1, 1024, 0, act(Act::logits), c_.vocab, tok_dev_);
         cudaGraph_t graph = nullptr;
         CK(cudaStreamEndCapture(stream_, &graph));
         if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
@@ -302,7 +302,7 @@ class CudaBackend final : public Backend {
     }
     CK(cudaMemcpyAsync(tokens_, tokens, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
     if (!op()) return;
-    embed_kernel<<<T, 64, 0, stream_>>>(embed_, tokens_, act(Act::x), c_.hidden, c_.vocab);
+    launch_dependent(embed_kernel, T, 64, 0, embed_, tokens_, act(Act::x), c_.hidden, c_.vocab);
   }
 
   void embed_selected() override {
@@ -311,13 +311,13 @@ class CudaBackend final : public Backend {
       mode_ = Mode::capturing;
     }
     if (!op()) return;
-    embed_kernel<<<1, 64, 0, stream_>>>(embed_, tok_dev_, act(Act::x), c_.hidden, c_.vocab);
+    launch_dependent(embed_kernel, 1, 64, 0, embed_, tok_dev_, act(Act::x), c_.hidden, c_.vocab);
   }
 
   void rmsnorm(Act in, Act out, const Vec& w, int T) override {
     if (!op()) return;
-    rmsnorm_kernel<<<T, 256, 0, stream_>>>(act(in), width(in), act(out), width(out), vec(w), int(w.size()),
-                                          c_.rms_eps);
+    launch_dependent(rmsnorm_kernel, T, 256, 0, act(in), width(in), act(out), width(out), vec(w), int(w.size()),
+                     c_.rms_eps);
   }
 
   void project(Act in, Act out, const Linear& W, int T, bool accumulate) override {
@@ -344,8 +344,8 @@ class CudaBackend final : public Backend {
     check_rows(rows, "lm_head");
     if (!op()) return;
     grow_logits(rows);
-    rmsnorm_kernel<<<rows, 256, 0, stream_>>>(act(Act::x) + int64_t(first) * c_.hidden, c_.hidden, act(Act::xn),
-                                             c_.hidden, vec(m_.norm), c_.hidden, c_.rms_eps);
+    launch_dependent(rmsnorm_kernel, rows, 256, 0, act(Act::x) + int64_t(first) * c_.hidden, c_.hidden,
+                     act(Act::xn), c_.hidden, vec(m_.norm), c_.hidden, c_.rms_eps);
     matmul(m_.lm_head, act(Act::xn), c_.hidden, rows, act(Act::logits), c_.vocab, false);
   }
 
@@ -354,7 +354,7 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const AttentionWeights& A = m_.layers[layer].attn;
     const int d = c_.head_dim;
-    attn_prepare_kernel<<<dim3(T, c_.n_q + c_.n_kv), d, d * 4, stream_>>>(
+    launch_dependent(attn_prepare_kernel, dim3(T, c_.n_q + c_.n_kv), d, d * 4,
         act(Act::q_gate), act(Act::k), act(Act::v), vec(A.q_norm), vec(A.k_norm), qbuf_, s_->k[layer], s_->v[layer],
         s_->capacity, pos_dev_, c_.n_q, c_.n_kv, d, c_.rotary_dim, c_.rope_theta, c_.rms_eps);
   }
@@ -395,13 +395,12 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
     const int C = c_.conv_dim();
-    gdn_conv_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), conv_out_, s_->conv[layer], vec(G.conv), 1,
-                                                         C, c_.conv_kernel);
+    launch_dependent(gdn_conv_kernel, (C + 127) / 128, 128, 0, act(Act::qkv), conv_out_, s_->conv[layer],
+                     vec(G.conv), 1, C, c_.conv_kernel);
     auto step = [&](auto kernel) {
-      kernel<<<c_.lin_nv, 2 * c_.lin_dv, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha), act(Act::z),
-                                                      s_->rec[layer], vec(G.A_log), vec(G.dt_bias), vec(G.norm),
-                                                      act(Act::mix), width(Act::mix), 1, C, c_.lin_nk, c_.lin_nv,
-                                                      c_.lin_dv, c_.rms_eps);
+      launch_dependent(kernel, c_.lin_nv, 2 * c_.lin_dv, 0, conv_out_, act(Act::beta), act(Act::alpha),
+                       act(Act::z), s_->rec[layer], vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix),
+                       width(Act::mix), 1, C, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps);
     };
     switch (c_.lin_dk) {
       case 32: step(gdn_scan_kernel<32>); break;
@@ -455,11 +454,11 @@ class CudaBackend final : public Backend {
     const dim3 grid((imax_ + kGemvWarps * r - 1) / (kGemvWarps * r), K + 1);
     const size_t smem = (padded_floats(H) + E) * sizeof(float);
     auto gate_up = r == 2 ? moe_gate_up_kernel<2> : moe_gate_up_kernel<1>;
-    gate_up<<<grid, kGemvWarps * 32, smem, stream_>>>(lin(M.gate), lin(M.up), lin(M.shared_gate_proj),
-                                                      lin(M.shared_up), act(Act::xn), H, router_, E, K,
-                                                      route_ids_, route_w_, hbuf_, imax_);
-    moe_down_kernel<<<(H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32,
-                      (padded_floats((K + 1) * imax_) + 2 * K) * sizeof(float), stream_>>>(
+    launch_dependent(gate_up, grid, kGemvWarps * 32, smem, lin(M.gate), lin(M.up), lin(M.shared_gate_proj),
+                     lin(M.shared_up), lin(M.down), lin(M.shared_down), act(Act::xn), H, router_, E, K, route_ids_,
+                     route_w_, hbuf_, imax_);
+    launch_dependent(moe_down_kernel, (H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32,
+                     (padded_floats((K + 1) * imax_) + 2 * K) * sizeof(float),
         lin(M.down), lin(M.shared_down), hbuf_, imax_, route_ids_, route_w_, shared_logit_, K, act(Act::x));
   }
 
@@ -484,7 +483,7 @@ class CudaBackend final : public Backend {
       return;
     }
     if (phase_ == Phase::decode && mode_ != Mode::direct) return;  // in the graph (commit)
-    argmax_kernel<<<1, 1024, 0, stream_>>>(act(Act::logits), c_.vocab, tok_dev_);
+    launch_dependent(argmax_kernel, 1, 1024, 0, act(Act::logits), c_.vocab, tok_dev_);
   }
 
   int32_t read_token(float* logits) override {
@@ -629,8 +628,9 @@ class CudaBackend final : public Backend {
     const int rows = jobs.first[jobs.n], cols = jobs.W[0].cols;
     const int r = gemv_rows_per_warp(rows, sms_);
     auto kernel = r == 4 ? gemv_kernel<4> : r == 2 ? gemv_kernel<2> : gemv_kernel<1>;
-    kernel<<<(rows + kGemvWarps * r - 1) / (kGemvWarps * r), kGemvWarps * 32, padded_floats(cols) * sizeof(float),
-             stream_>>>(jobs, x, cols, norm, c_.rms_eps, xn_out);
+    if (norm && cols > kNormRowMax) throw std::logic_error("[cuda] a normed GEMV row of " + std::to_string(cols));
+    launch_dependent(kernel, (rows + kGemvWarps * r - 1) / (kGemvWarps * r), kGemvWarps * 32,
+                     padded_floats(cols) * sizeof(float), jobs, x, cols, norm, c_.rms_eps, xn_out);
   }
 
   // Y (+)= W · X for T rows: a warp-per-row GEMV for one row, the tensor-core GEMM for more.
@@ -652,6 +652,20 @@ class CudaBackend final : public Backend {
     gemm(a, (T + kTileM - 1) / kTileM, c_.experts);
   }
 
+  // The decode path's kernels go out with programmatic dependent launch (the kernels' start_next_kernel /
+  // wait_previous_kernel say what each may do early): a GEMV then fetches its weights while the kernel before
+  // it drains, instead of a launch latency and a memory latency after it. Kept in the decode graph.
+  template <class... P, class... A>
+  void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream_;
+    cfg.attrs = &attr, cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
+  }
+
   void gemm(const GemmArgs& a, int m_tiles, int groups) {
     gemm_kernel<<<dim3((a.W.rows + kTileN - 1) / kTileN, m_tiles, groups), 256, 0, stream_>>>(a);
   }
@@ -665,9 +679,9 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const int warps = T * c_.n_kv * splits;
     auto run = [&](auto kernel) {
-      kernel<<<(warps + 3) / 4, 128, 0, stream_>>>(qbuf_, s_->k[layer], s_->v[layer], s_->capacity, act(Act::q_gate),
-                                                  act(Act::mix), width(Act::mix), T, c_.n_q, c_.n_kv, splits,
-                                                  pos_dev_, attn_part_);
+      launch_dependent(kernel, (warps + 3) / 4, 128, 0, qbuf_, s_->k[layer], s_->v[layer], s_->capacity,
+                       act(Act::q_gate), act(Act::mix), width(Act::mix), T, c_.n_q, c_.n_kv, splits, pos_dev_,
+                       attn_part_);
     };
     switch (c_.head_dim) {
       case 32: run(attention_kernel<32>); break;
@@ -676,8 +690,9 @@ class CudaBackend final : public Backend {
       default: run(attention_kernel<256>); break;
     }
     if (splits > 1)
-      attention_combine_kernel<<<c_.n_q, c_.head_dim, 0, stream_>>>(attn_part_, splits, c_.head_dim,
-                                                                   act(Act::q_gate), act(Act::mix), c_.n_q);
+      launch_dependent(attention_combine_kernel, c_.n_q, 4 * c_.head_dim,
+                       (splits + 4 * c_.head_dim) * sizeof(float), attn_part_, splits, c_.head_dim,
+                       act(Act::q_gate), act(Act::mix), c_.n_q);
   }
 
   void grow_logits(int rows) {

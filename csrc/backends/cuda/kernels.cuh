@@ -30,6 +30,22 @@ __device__ __forceinline__ float load_param(const uint8_t* p, int dt, int i) {
   return __half2float(__ushort_as_half(h));
 }
 
+// Decode's kernels are launched with programmatic dependent launch (CudaBackend::launch_dependent): a kernel
+// may start while the one before it in the stream drains. It first lets the next kernel start in turn, may
+// then touch what no kernel of the step writes (weights into L2, its own recurrent state), and waits for the
+// kernel before it to finish (and its writes to land) before reading or writing any activation. Both are
+// no-ops in a kernel launched the ordinary way.
+__device__ __forceinline__ void start_next_kernel() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void wait_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// The 16-byte-aligned part of [p, p + bytes) into L2 (a hint: one bulk request, no registers held).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes) {
+  const uint64_t a = (reinterpret_cast<uint64_t>(p) + 15) & ~uint64_t(15);
+  const uint64_t b = (reinterpret_cast<uint64_t>(p) + bytes) & ~uint64_t(15);
+  if (b > a)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(uint32_t(b - a)) : "memory");
+}
+
 __device__ __forceinline__ void unpack_bf16x8(uint4 q, float* v) {
   const uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
@@ -38,6 +54,9 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 q, float* v) {
     v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
 }
+
+struct LinDev;
+__device__ __forceinline__ void prefetch_rows(const LinDev& W, int e, int r0, int r1);
 
 // Columns [c0, c0 + 32) of row r of expert e, dequantised; c0 is a multiple of 32 (a group holds 32k columns).
 __device__ __forceinline__ void dequant32(const LinDev& W, int e, int r, int c0, float* v) {
@@ -86,6 +105,17 @@ __device__ __forceinline__ void dequant32(const LinDev& W, int e, int r, int c0,
   }
 }
 
+// Rows [r0, r1) of expert e (codes, scales and biases: each a contiguous range) into L2.
+__device__ __forceinline__ void prefetch_rows(const LinDev& W, int e, int r0, int r1) {
+  if (r1 <= r0) return;
+  prefetch_l2(W.w + uint64_t(e) * W.w_expert + uint64_t(r0) * W.w_row, uint64_t(r1 - r0) * W.w_row);
+  if (W.bits) {
+    const uint64_t off = uint64_t(e) * W.s_expert + uint64_t(r0) * W.s_row, n = uint64_t(r1 - r0) * W.s_row;
+    prefetch_l2(W.s + off, n);
+    prefetch_l2(W.b + off, n);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -101,6 +131,20 @@ __device__ __forceinline__ float block_sum(float v, float* scratch32) {
   __syncthreads();
   float t = lane < warps ? scratch32[lane] : 0.f;
   return warp_sum(t);
+}
+
+// Maximum over the block, as block_sum.
+__device__ __forceinline__ float block_max(float v, float* scratch32) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch32[warp] = v;
+  __syncthreads();
+  float t = lane < warps ? scratch32[lane] : -INFINITY;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+  return t;
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
@@ -152,15 +196,22 @@ __device__ __forceinline__ Q4Chunk load_q4(const LinDev& W, int e, int r, int c0
   return {*reinterpret_cast<const uint4*>(W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row + c0 / 2),
           load_param(W.s + s_off, W.sdt, g), load_param(W.b + s_off, W.sdt, g)};
 }
-// Σ x·(s·q + b) = s·Σ x·q + b·Σ x, with Σ x (xsum) computed once per chunk for all rows.
+// Σ x·(s·q + b) = s·Σ x·q + b·Σ x, with Σ x (xsum) computed once per chunk for all rows. A code q becomes the
+// float f = 1 + q/16 by placing its four bits at the top of an fp32 mantissa under the exponent of 1.0 (a
+// shift and one LOP3), so Σ x·q = 16·(Σ x·f − Σ x): the integer-to-float conversion it replaces runs at a
+// quarter of the FMA rate and made decode's GEMVs instruction-bound. f − 1 is exact and Σ x·f is within
+// fp32 rounding of |x| per term, far below the q4 and bf16 noise.
 __device__ __forceinline__ float dot_q4(const Q4Chunk& c, const float* x, float xsum, float acc) {
   const uint32_t w[4] = {c.q.x, c.q.y, c.q.z, c.q.w};
-  float codes = 0.f;
+  float sum_xf = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int k = 0; k < 8; ++k) codes = fmaf(float((w[i] >> (4 * k)) & 15u), x[8 * i + k], codes);
-  return fmaf(c.scale, codes, fmaf(c.bias, xsum, acc));
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t top = k <= 4 ? w[i] << (19 - 4 * k) : w[i] >> (4 * k - 19);  // code k at bits 19..22
+      sum_xf = fmaf(__uint_as_float((top & 0x00780000u) | 0x3f800000u), x[8 * i + k], sum_xf);
+    }
+  return fmaf(c.scale * 16.f, sum_xf - xsum, fmaf(c.bias, xsum, acc));
 }
 
 template <int R, int U, bool kPair>
@@ -242,13 +293,38 @@ __device__ __forceinline__ float stage(const float* src, int n, float* dst) {
   return ss;
 }
 
-// x (cols floats) into shared memory, RMSNorm'd by `norm` when given (norm == nullptr: copied as is).
+// x (cols floats) into shared memory, RMSNorm'd by `norm` when given (norm == nullptr: copied as is). The
+// thread's share of x and of the norm weights stays in registers across the block sum, so staging costs one
+// memory latency (a loop over the norm weights after the sum cost one per element a thread scales).
+constexpr int kNormRowMax = 8 * 4 * 256;  // floats: eight float4s a thread at 256 threads
 __device__ __forceinline__ void stage_row(const float* x, int cols, const float* norm, float eps, float* xs,
                                           float* scratch32) {
-  const float ss = stage(x, cols, xs);
-  if (norm) {
-    const float inv = rsqrtf(block_sum(ss, scratch32) / float(cols) + eps);
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) xs[padded(j)] *= inv * norm[j];
+  if (!norm) {
+    stage(x, cols, xs);
+    __syncthreads();
+    return;
+  }
+  float4 v[8], g[8];
+  float ss = 0.f;
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    const int i = (threadIdx.x + b * blockDim.x) * 4;
+    if (i < cols) {
+      v[b] = *reinterpret_cast<const float4*>(x + i);
+      g[b] = *reinterpret_cast<const float4*>(norm + i);
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < 8; ++b)
+    if ((threadIdx.x + b * blockDim.x) * 4 < cols)
+      ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+  const float inv = rsqrtf(block_sum(ss, scratch32) / float(cols) + eps);
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+    const int i = (threadIdx.x + b * blockDim.x) * 4;
+    if (i < cols)
+      *reinterpret_cast<float4*>(xs + padded(i)) =
+          make_float4(v[b].x * inv * g[b].x, v[b].y * inv * g[b].y, v[b].z * inv * g[b].z, v[b].w * inv * g[b].w);
   }
   __syncthreads();
 }
@@ -281,6 +357,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_kernel(GemvJobs jobs,
                                                                 const float* norm, float eps, float* xn_out) {
   extern __shared__ float xs[];
   __shared__ float scratch[32];
+  start_next_kernel();
+  if (threadIdx.x < jobs.n) {  // this block's rows of each job
+    const int j = threadIdx.x, lo = blockIdx.x * kGemvWarps * R, hi = lo + kGemvWarps * R;
+    prefetch_rows(jobs.W[j], 0, max(lo, jobs.first[j]) - jobs.first[j],
+                  min(hi, jobs.first[j + 1]) - jobs.first[j]);
+  }
+  wait_previous_kernel();
   stage_row(x, cols, norm, eps, xs, scratch);
   if (xn_out && blockIdx.x == 0)
     for (int j = threadIdx.x; j < cols; j += blockDim.x) xn_out[j] = xs[padded(j)];
@@ -438,6 +521,8 @@ __global__ void __launch_bounds__(256) gemm_kernel(GemmArgs a) {
 
 // x[t] ← E[tokens[t]]; a token outside [0, V) (only a device-selected one can be) gives a zero row.
 __global__ void embed_kernel(LinDev E, const int32_t* tokens, float* x, int H, int V) {
+  start_next_kernel();
+  wait_previous_kernel();
   const int t = blockIdx.x, tok = tokens[t];
   for (int c0 = threadIdx.x * 32; c0 < H; c0 += blockDim.x * 32) {
     float v[32];
@@ -450,6 +535,8 @@ __global__ void embed_kernel(LinDev E, const int32_t* tokens, float* x, int H, i
 
 __global__ void rmsnorm_kernel(const float* in, int ldi, float* out, int ldo, const float* w, int n, float eps) {
   __shared__ float scratch[32];
+  start_next_kernel();
+  wait_previous_kernel();
   const float* x = in + int64_t(blockIdx.x) * ldi;
   float ss = 0.f;
   for (int j = threadIdx.x; j < n; j += blockDim.x) ss += x[j] * x[j];
@@ -466,6 +553,8 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
                                     int64_t cap, const int64_t* pos_dev, int n_q, int n_kv, int d, int rot,
                                     float theta, float eps) {
   __shared__ float scratch[32];
+  start_next_kernel();
+  wait_previous_kernel();
   extern __shared__ float row[];
   const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
   const int64_t p = *pos_dev + t;
@@ -503,6 +592,8 @@ __global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, con
                                  const float* q_gate, float* mix, int ldmix, int T, int n_q, int n_kv, int splits,
                                  const int64_t* pos_dev, float* part) {
   constexpr int PL = D / 32;
+  start_next_kernel();
+  wait_previous_kernel();
   const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (gw >= T * n_kv * splits) return;
   const int split = gw % splits, kvh = (gw / splits) % n_kv, t = gw / (splits * n_kv);
@@ -571,24 +662,39 @@ __global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, con
   }
 }
 
-// The splits of one decode row merged per query head (one block of d threads per head), then · σ(gate).
+// The splits of one decode row merged per query head (one block of 4·d threads per head), then · σ(gate).
 __global__ void attention_combine_kernel(const float* part, int splits, int d, const float* q_gate, float* mix,
                                          int n_q) {
-  const int h = blockIdx.x, c = threadIdx.x;
+  // blockDim = 4·d: quarter q of the block sums the splits s ≡ q (mod 4) for column c, so each thread waits on
+  // a quarter of the split loads; the splits' maxima and sums are read once, a split a thread.
+  extern __shared__ float merge[];  // [splits] weights, [4·d] partial outputs
+  __shared__ float scratch[32];
+  start_next_kernel();
+  wait_previous_kernel();
+  const int h = blockIdx.x, c = threadIdx.x % d, q = threadIdx.x / d;
   const float* ph = part + int64_t(h) * splits * (d + 2);
+  float* wt = merge;
+  float* po = merge + splits;
   float mx = -INFINITY;
-#pragma unroll 16
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ph[s * (d + 2)]);
-  float l = 0.f, o = 0.f;
-#pragma unroll 16
-  for (int s = 0; s < splits; ++s) {
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, ph[s * (d + 2)]);
+  mx = block_max(mx, scratch);
+  float l = 0.f;
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
     const float ms = ph[s * (d + 2)];
-    if (ms == -INFINITY) continue;
-    const float w = expf(ms - mx);
+    const float w = ms == -INFINITY ? 0.f : expf(ms - mx);
+    wt[s] = w;
     l += w * ph[s * (d + 2) + 1];
-    o += w * ph[s * (d + 2) + 2 + c];
   }
-  mix[h * d + c] = o / l * sigmoidf_(q_gate[(2 * h) * d + d + c]);
+  l = block_sum(l, scratch);  // its barriers also publish wt
+  float o = 0.f;
+#pragma unroll 8
+  for (int s = q; s < splits; s += 4)
+    if (wt[s] != 0.f) o = fmaf(wt[s], ph[s * (d + 2) + 2 + c], o);
+  po[threadIdx.x] = o;
+  __syncthreads();
+  if (q == 0)
+    mix[h * d + c] = (po[c] + po[d + c] + po[2 * d + c] + po[3 * d + c]) / l *
+                     sigmoidf_(q_gate[(2 * h) * d + d + c]);
 }
 
 // ---------------------------------------------------------------- Gated DeltaNet
@@ -597,10 +703,13 @@ __global__ void attention_combine_kernel(const float* part, int splits, int d, c
 // in sequence), then the state keeps the last k_c - 1 inputs.
 __global__ void gdn_conv_kernel(const float* qkv, float* conv_out, float* conv_state, const float* taps, int T, int C,
                                 int Kc) {
+  start_next_kernel();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-  if (ch >= C) return;
   float u[8];  // the window: k_c - 1 state inputs, then the current one (k_c <= 8, checked at construction)
-  for (int j = 0; j < Kc - 1; ++j) u[j] = conv_state[int64_t(j) * C + ch];
+  if (ch < C)
+    for (int j = 0; j < Kc - 1; ++j) u[j] = conv_state[int64_t(j) * C + ch];  // only this kernel writes it
+  wait_previous_kernel();
+  if (ch >= C) return;
   for (int t = 0; t < T; ++t) {
     u[Kc - 1] = qkv[int64_t(t) * C + ch];
     float acc = 0.f;
@@ -625,9 +734,11 @@ __global__ void gdn_scan_kernel(const float* conv, const float* beta_in, const f
   const int kh = h / (nv / nk), Kd = nk * DK;
   float* S = rec + int64_t(h) * DK * dv;
   float col[HALF];
+  start_next_kernel();
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) col[i] = S[(i0 + i) * dv + j];
+  for (int i = 0; i < HALF; ++i) col[i] = S[(i0 + i) * dv + j];  // the state: only this kernel writes it
   const float A = expf(A_log[h]), dtb = dt_bias[h], w = gnorm[j];
+  wait_previous_kernel();
   const float qscale = rsqrtf(float(DK));
   for (int t = 0; t < T; ++t) {
     const float* row = conv + int64_t(t) * C;
@@ -790,7 +901,14 @@ __global__ void gdn_gated_norm_kernel(float* mix, int ldmix, const float* z, con
 __device__ __forceinline__ void warp_topk(const float* logits, float* l, int E, int K, int& id, float& weight) {
   const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
-  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e] = logits[e]);
+  for (int e0 = lane; e0 < E; e0 += 8 * 32) {  // eight loads in flight a lane
+    float v[8];
+#pragma unroll
+    for (int b = 0; b < 8; ++b) v[b] = e0 + 32 * b < E ? logits[e0 + 32 * b] : -INFINITY;
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+      if (e0 + 32 * b < E) mx = fmaxf(mx, l[e0 + 32 * b] = v[b]);
+  }
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0.f;
@@ -874,20 +992,28 @@ __global__ void moe_combine_kernel(float* x, const float* Y, const float* SY, co
 }
 
 // Decode: the route (top-k of the router logits, recomputed by warp 0 of every block: cheaper than a kernel of
-// its own between the router GEMV and this one; block 0 stores it for moe_down_kernel), then
+// its own between the router GEMV and this one; block 0 stores it for moe_down_kernel, and every block
+// prefetches a share of its slot's down projection into L2 for that kernel), then
 // h_j ← SiLU(gate_e · xn) ⊙ (up_e · xn) for the K routed experts e = ids[j] (blockIdx.y = j) and the shared
 // expert (blockIdx.y = K); R rows of gate and up per warp.
 constexpr int kMaxTopK = 32;
 template <int R>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_gate_up_kernel(LinDev gate, LinDev up, LinDev sgate,
-                                                                       LinDev sup, const float* xn, int H,
+                                                                       LinDev sup, LinDev down, LinDev sdown,
+                                                                       const float* xn, int H,
                                                                        const float* router, int E, int K,
                                                                        int32_t* ids, float* weights, float* h,
                                                                        int ldh) {
   extern __shared__ float xs[];  // the staged xn, then E floats for the top-k
   __shared__ int route[kMaxTopK];
-  stage(xn, H, xs);
   const int slot = blockIdx.y, lane = threadIdx.x & 31;
+  const bool shared = slot == K;
+  const int lo = blockIdx.x * kGemvWarps * R, hi = lo + kGemvWarps * R;
+  start_next_kernel();
+  if (shared && threadIdx.x == 0) prefetch_rows(sgate, 0, lo, min(hi, sgate.rows));
+  if (shared && threadIdx.x == 32) prefetch_rows(sup, 0, lo, min(hi, sup.rows));
+  wait_previous_kernel();
+  stage(xn, H, xs);
   if (threadIdx.x < 32) {
     int id;
     float w;
@@ -898,11 +1024,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_gate_up_kernel(LinDev 
     }
   }
   __syncthreads();
+  const int e = shared ? 0 : route[slot];
+  if (threadIdx.x == 0) {  // a share of this slot's down projection (H rows) into L2, for moe_down_kernel
+    const int per = (down.rows + gridDim.x - 1) / gridDim.x, r0 = blockIdx.x * per;
+    if (shared) prefetch_rows(sdown, 0, r0, min(r0 + per, sdown.rows));  // (a branch: a reference chosen
+    else prefetch_rows(down, e, r0, min(r0 + per, down.rows));           // between two parameters spills)
+  }
   const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * R;
-  const bool shared = slot == K;
   const int rows_of = shared ? sgate.rows : gate.rows;
   if (r0 >= rows_of) return;
-  const int e = shared ? 0 : route[slot];
   int es[R], rows[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) es[i] = e, rows[i] = min(r0 + i, rows_of - 1);
@@ -922,6 +1052,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, 
   extern __shared__ float hs[];  // [(K + 1) · ldh] h (padded), then the K routing weights and expert ids
   float* ws = hs + padded_floats((K + 1) * ldh);
   int* es = reinterpret_cast<int*>(ws + K);
+  start_next_kernel();
+  wait_previous_kernel();
   stage(h, (K + 1) * ldh, hs);
   if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
   __syncthreads();
@@ -965,6 +1097,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, 
 __global__ void argmax_kernel(const float* logits, int V, int32_t* token) {
   __shared__ float bv[32];
   __shared__ int bi[32];
+  start_next_kernel();
+  wait_previous_kernel();
   float best = -INFINITY;
   int idx = 1 << 30;
   for (int i = threadIdx.x; i < V; i += blockDim.x) {
