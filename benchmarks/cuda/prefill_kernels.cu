@@ -236,7 +236,8 @@ lily::old::GemmArgs old_args(const GemmArgs& a) {
 }
 #endif
 
-// One product checked against both references (bf16-rounded inputs: tight; exact fp32: bf16's error), and timed.
+// One product with each token tile checked against both references (bf16-rounded inputs: tight; exact fp32:
+// bf16's error), and timed (gemm()'s choice of tile, and each tile).
 void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<float>& y0, bool time,
                 int old_m_tiles) {
   const size_t ny = size_t(rows_out) * a.ldy;
@@ -248,11 +249,16 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
     return download(a.Y, ny);
   };
   const auto ref_rounded = run_ref(true), ref_exact = run_ref(false);
-  CK(cudaMemcpy(a.Y, y0.data(), ny * 4, cudaMemcpyHostToDevice));
-  gemm(a, 0);
-  CK(cudaGetLastError());
-  const auto got = download(a.Y, ny);
-  const Err tight = compare(got, ref_rounded), loose = compare(got, ref_exact);
+  Err tight, loose;  // the worst over the token tiles
+  for (int bm : {32, 64, 128}) {
+    CK(cudaMemcpy(a.Y, y0.data(), ny * 4, cudaMemcpyHostToDevice));
+    gemm_tiled(a, bm, 0);
+    CK(cudaGetLastError());
+    const auto got = download(a.Y, ny);
+    const Err t = compare(got, ref_rounded), l = compare(got, ref_exact);
+    tight = {std::max(tight.max_rel, t.max_rel), std::max(tight.mean_rel, t.mean_rel)};
+    loose = {std::max(loose.max_rel, l.max_rel), std::max(loose.mean_rel, l.mean_rel)};
+  }
   float ms_new = 0, ms_old = 0;
   const double flop = 2.0 * a.M * a.W.rows * a.W.cols;
   if (time && !a.accumulate) {
@@ -272,6 +278,12 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
                 a.W.rows, a.W.cols, a.accumulate ? " +=" : "");
   report("gemm", shape, tight, 2e-3, 2e-4, flop, ms_new, ms_old);
   report("", "  (vs exact fp32)", loose, 1.5e-2, 4e-3, 0, 0, 0);
+  if (ms_new > 0) {
+    std::printf("      tile rows:");
+    for (int bm : {32, 64, 128})
+      std::printf("  %d: %.1f TFLOP/s", bm, flop / time_ms([&] { gemm_tiled(a, bm, 0); }) * 1e-9);
+    std::printf("\n");
+  }
 }
 
 void dense_case(int M, int N, int K, int bits, int wdt, int sdt, int group, bool accumulate, bool time) {

@@ -337,14 +337,8 @@ inline int gemm_tile_rows(const GemmArgs& a, int multiprocessors) {
   return 32;
 }
 
-inline void gemm(const GemmArgs& a, cudaStream_t stream) {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 132;
-  }();
-  const int bm = gemm_tile_rows(a, sms);
+// The product with token tiles of bm rows (32, 64 or 128).
+inline void gemm_tiled(const GemmArgs& a, int bm, cudaStream_t stream) {
   // grouped: Σ_e ceil(counts[e] / bm) <= M / bm + groups tiles
   const int m_tiles = a.counts ? a.M / bm + a.groups : (a.M + bm - 1) / bm;
   const dim3 grid((a.W.rows + kGemmTileN - 1) / kGemmTileN, m_tiles);
@@ -353,6 +347,16 @@ inline void gemm(const GemmArgs& a, cudaStream_t stream) {
   else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, bm, grid, stream);
   else if (a.W.wdt == kF16) launch_gemm_format<kWF16>(a, bm, grid, stream);
   else launch_gemm_format<kWF32>(a, bm, grid, stream);
+}
+
+inline void gemm(const GemmArgs& a, cudaStream_t stream) {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 132;
+  }();
+  gemm_tiled(a, gemm_tile_rows(a, sms), stream);
 }
 
 }  // namespace lily::cuda
