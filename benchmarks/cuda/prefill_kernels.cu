@@ -236,7 +236,7 @@ lily::old::GemmArgs old_args(const GemmArgs& a) {
 }
 #endif
 
-// One product with each token tile checked against both references (bf16-rounded inputs: tight; exact fp32:
+// One product with each tile checked against both references (bf16-rounded inputs: tight; exact fp32:
 // bf16's error), and timed (gemm()'s choice of tile, and each tile).
 void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<float>& y0, bool time,
                 int old_m_tiles) {
@@ -249,15 +249,15 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
     return download(a.Y, ny);
   };
   const auto ref_rounded = run_ref(true), ref_exact = run_ref(false);
-  Err tight, loose;  // the worst over the token tiles
-  for (int bm : {32, 64, 128}) {
+  Err tight, loose;  // the worst over the tiles
+  for (const GemmTile t : kGemmTiles) {
     CK(cudaMemcpy(a.Y, y0.data(), ny * 4, cudaMemcpyHostToDevice));
-    gemm_tiled(a, bm, 0);
+    gemm_tiled(a, t, 0);
     CK(cudaGetLastError());
     const auto got = download(a.Y, ny);
-    const Err t = compare(got, ref_rounded), l = compare(got, ref_exact);
-    tight = {std::max(tight.max_rel, t.max_rel), std::max(tight.mean_rel, t.mean_rel)};
-    loose = {std::max(loose.max_rel, l.max_rel), std::max(loose.mean_rel, l.mean_rel)};
+    const Err et = compare(got, ref_rounded), el = compare(got, ref_exact);
+    tight = {std::max(tight.max_rel, et.max_rel), std::max(tight.mean_rel, et.mean_rel)};
+    loose = {std::max(loose.max_rel, el.max_rel), std::max(loose.mean_rel, el.mean_rel)};
   }
   float ms_new = 0, ms_old = 0;
   const double flop = 2.0 * a.M * a.W.rows * a.W.cols;
@@ -279,9 +279,9 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
   report("gemm", shape, tight, 2e-3, 2e-4, flop, ms_new, ms_old);
   report("", "  (vs exact fp32)", loose, 1.5e-2, 4e-3, 0, 0, 0);
   if (ms_new > 0) {
-    std::printf("      tile rows:");
-    for (int bm : {32, 64, 128})
-      std::printf("  %d: %.1f TFLOP/s", bm, flop / time_ms([&] { gemm_tiled(a, bm, 0); }) * 1e-9);
+    std::printf("      tiles (rows x weight rows):");
+    for (const GemmTile t : kGemmTiles)
+      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, t.bn, flop / time_ms([&] { gemm_tiled(a, t, 0); }) * 1e-9);
     std::printf("\n");
   }
 }

@@ -156,12 +156,12 @@ struct GemmArgs {
   int groups;
 };
 
-constexpr int kGemmThreads = 256, kGemmTileN = 128, kGemmTileK = 64;
+constexpr int kGemmThreads = 256, kGemmTileK = 64;
 constexpr int kGemmPitch = kGemmTileK + 8;  // bf16 per shared row: 144 bytes, ldmatrix's 8 rows hit 8 bank groups
 
-template <int BM>
+template <int BN, int BM>
 constexpr int gemm_smem_bytes() {
-  return 2 * (kGemmTileN + BM) * kGemmPitch * 2 + BM * 8;
+  return 2 * (BN + BM) * kGemmPitch * 2 + BM * 8;
 }
 
 // The grouped product's tiles are numbered expert by expert (ceil(counts[e] / BM) each); warp 0 finds which
@@ -188,15 +188,17 @@ __device__ __forceinline__ void find_group_tile(const int* counts, int groups, i
   }
 }
 
-// One block: weight rows [n0, n0 + 128) × BM rows of p. Eight warps, 4 along the weight rows (32 each: two
-// m16 tiles) × 2 along the tokens (BM / 2 each: BM / 16 n8 tiles).
-template <int F, int BM>
+// One block: weight rows [n0, n0 + BN) × BM rows of p. Eight warps, 4 along the weight rows (BN / 4 each:
+// BN / 64 m16 tiles) × 2 along the tokens (BM / 2 each: BM / 16 n8 tiles).
+template <int F, int BN, int BM>
 __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
   static_assert(BM % 32 == 0, "a warp's tokens come in pairs of n8 tiles");
-  constexpr int NT = BM / 16, kXVecs = BM * kGemmTileK / 4 / kGemmThreads;
+  static_assert(BN % 128 == 0, "each thread loads whole 32-column chunks");
+  constexpr int MT = BN / 64, NT = BM / 16, kXVecs = BM * kGemmTileK / 4 / kGemmThreads;
+  constexpr int kWChunks = BN * kGemmTileK / 32 / kGemmThreads;
   extern __shared__ __align__(16) uint8_t smem[];
-  __nv_bfloat16* Ws = reinterpret_cast<__nv_bfloat16*>(smem);  // [2][128][pitch]
-  __nv_bfloat16* Xs = Ws + 2 * kGemmTileN * kGemmPitch;         // [2][BM][pitch]
+  __nv_bfloat16* Ws = reinterpret_cast<__nv_bfloat16*>(smem);  // [2][BN][pitch]
+  __nv_bfloat16* Xs = Ws + 2 * BN * kGemmPitch;                 // [2][BM][pitch]
   int64_t* xrow = reinterpret_cast<int64_t*>(Xs + 2 * BM * kGemmPitch);  // X offset of tile row r, -1: none
   __shared__ int tile_e, tile_m0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -209,21 +211,22 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
     if (e < 0) return;
     m0 = tile_m0, base = a.offsets[e], count = a.counts[e];
   }
-  const int n0 = blockIdx.x * kGemmTileN, N = a.W.rows, K = a.W.cols;
+  const int n0 = blockIdx.x * BN, N = a.W.rows, K = a.W.cols;
   for (int r = tid; r < BM; r += kGemmThreads) {
     const int p = base + m0 + r;
     xrow[r] = m0 + r < count ? int64_t(a.in_rows ? a.in_rows[p] / a.in_div : p) * a.ldx : -1;
   }
   __syncthreads();
 
-  // loaders: weight row wr, columns wc … wc + 31 of the k-tile; activation vectors tid + 256·j
+  // loaders: weight rows wr + 128·j, columns wc … wc + 31 of the k-tile; activation vectors tid + 256·j
   const int wr = tid >> 1, wc = (tid & 1) * 32;
-  const bool w_row_ok = n0 + wr < N;
-  WeightChunk<F> wreg;
+  WeightChunk<F> wreg[kWChunks];
   float4 xreg[kXVecs];
   auto load = [&](int kt) {
     const int c = kt * kGemmTileK + wc;
-    if (w_row_ok && c < K) load_chunk<F>(a.W, e, n0 + wr, c, wreg);
+#pragma unroll
+    for (int j = 0; j < kWChunks; ++j)
+      if (n0 + wr + 128 * j < N && c < K) load_chunk<F>(a.W, e, n0 + wr + 128 * j, c, wreg[j]);
 #pragma unroll
     for (int j = 0; j < kXVecs; ++j) {
       const int i = tid + kGemmThreads * j, r = i >> 4, col = kt * kGemmTileK + (i & 15) * 4;
@@ -232,7 +235,10 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
     }
   };
   auto store = [&](int kt, int buf) {
-    store_chunk<F>(wreg, w_row_ok && kt * kGemmTileK + wc < K, Ws + (buf * kGemmTileN + wr) * kGemmPitch + wc);
+#pragma unroll
+    for (int j = 0; j < kWChunks; ++j)
+      store_chunk<F>(wreg[j], n0 + wr + 128 * j < N && kt * kGemmTileK + wc < K,
+                     Ws + (buf * BN + wr + 128 * j) * kGemmPitch + wc);
 #pragma unroll
     for (int j = 0; j < kXVecs; ++j) {
       const int i = tid + kGemmThreads * j, r = i >> 4, col = (i & 15) * 4;
@@ -242,31 +248,31 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
   };
 
   const int wn = warp & 3, wm = warp >> 2;
-  float acc[2][NT][4];
+  float acc[MT][NT][4];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
   // ldmatrix row addresses: A (weights) rows lane % 16, k half lane / 16; B (tokens) rows lane % 8 + 8·(lane / 16)
   // (the second n8 tile of a pair), k half (lane / 8) % 2
-  const int a_row = wn * 32 + (lane & 15), a_col = (lane >> 4) * 8;
+  const int a_row = wn * (BN / 4) + (lane & 15), a_col = (lane >> 4) * 8;
   const int b_row = wm * (BM / 2) + (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
   auto mma_tile = [&](int buf) {
-    const __nv_bfloat16* Wb = Ws + buf * kGemmTileN * kGemmPitch;
+    const __nv_bfloat16* Wb = Ws + buf * BN * kGemmPitch;
     const __nv_bfloat16* Xb = Xs + buf * BM * kGemmPitch;
 #pragma unroll
     for (int kk = 0; kk < kGemmTileK; kk += 16) {
-      uint32_t af[2][4];
+      uint32_t af[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(af[mt], Wb + (a_row + mt * 16) * kGemmPitch + kk + a_col);
+      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], Wb + (a_row + mt * 16) * kGemmPitch + kk + a_col);
 #pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t bf[4];
         ldmatrix_x4(bf, Xb + (b_row + np * 16) * kGemmPitch + kk + b_col);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
           mma_bf16(acc[mt][2 * np], af[mt], bf[0], bf[1]);
           mma_bf16(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
         }
@@ -288,10 +294,10 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
 
   const int g = lane >> 2, tig = lane & 3;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = n0 + wn * 32 + mt * 16 + g + 8 * h;
+      const int n = n0 + wn * (BN / 4) + mt * 16 + g + 8 * h;
       if (n >= N) continue;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -306,47 +312,51 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
     }
 }
 
-template <int F, int BM>
-void launch_gemm_mma(const GemmArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = gemm_smem_bytes<BM>();
+// Token and weight tiles: BM rows of p × BN weight rows.
+struct GemmTile {
+  int bm = 32, bn = 128;
+};
+constexpr GemmTile kGemmTiles[] = {{32, 128}, {64, 128}, {128, 128}, {64, 256}};
+
+template <int F, int BN, int BM>
+void launch_gemm_mma(const GemmArgs& a, cudaStream_t stream) {
+  constexpr int bytes = gemm_smem_bytes<BN, BM>();
   static const cudaError_t raised =
-      cudaFuncSetAttribute(gemm_mma_kernel<F, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      cudaFuncSetAttribute(gemm_mma_kernel<F, BN, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   (void)raised;  // a failure shows as the launch's error
-  gemm_mma_kernel<F, BM><<<grid, kGemmThreads, bytes, stream>>>(a);
+  // grouped: Σ_e ceil(counts[e] / BM) <= M / BM + groups tiles
+  const int m_tiles = a.counts ? a.M / BM + a.groups : (a.M + BM - 1) / BM;
+  gemm_mma_kernel<F, BN, BM><<<dim3((a.W.rows + BN - 1) / BN, m_tiles), kGemmThreads, bytes, stream>>>(a);
 }
 
 template <int F>
-void launch_gemm_format(const GemmArgs& a, int bm, dim3 grid, cudaStream_t stream) {
-  switch (bm) {
-    case 32: launch_gemm_mma<F, 32>(a, grid, stream); break;
-    case 64: launch_gemm_mma<F, 64>(a, grid, stream); break;
-    default: launch_gemm_mma<F, 128>(a, grid, stream); break;
-  }
+void launch_gemm_format(const GemmArgs& a, GemmTile t, cudaStream_t stream) {
+  if (t.bn == 256) launch_gemm_mma<F, 256, 64>(a, stream);
+  else if (t.bm == 32) launch_gemm_mma<F, 128, 32>(a, stream);
+  else if (t.bm == 64) launch_gemm_mma<F, 128, 64>(a, stream);
+  else launch_gemm_mma<F, 128, 128>(a, stream);
 }
 
-// Token tile rows: for a grouped product the rows an expert has on average; for a dense one the largest tile
-// that still gives every multiprocessor a block.
-inline int gemm_tile_rows(const GemmArgs& a, int multiprocessors) {
+// For a grouped product the token rows an expert has on average; for a dense one the largest tile that still
+// gives every multiprocessor a block.
+inline GemmTile gemm_tile(const GemmArgs& a, int multiprocessors) {
   if (a.counts) {
     const int avg = a.M / (a.groups > 0 ? a.groups : 1);
-    return avg > 64 ? 128 : avg > 32 ? 64 : 32;
+    return {avg > 64 ? 128 : avg > 32 ? 64 : 32, 128};
   }
-  const int64_t ntiles = (a.W.rows + kGemmTileN - 1) / kGemmTileN;
+  const int64_t ntiles = (a.W.rows + 127) / 128;
   for (int bm : {128, 64})
-    if (ntiles * ((a.M + bm - 1) / bm) >= multiprocessors) return bm;
-  return 32;
+    if (ntiles * ((a.M + bm - 1) / bm) >= multiprocessors) return {bm, 128};
+  return {32, 128};
 }
 
-// The product with token tiles of bm rows (32, 64 or 128).
-inline void gemm_tiled(const GemmArgs& a, int bm, cudaStream_t stream) {
-  // grouped: Σ_e ceil(counts[e] / bm) <= M / bm + groups tiles
-  const int m_tiles = a.counts ? a.M / bm + a.groups : (a.M + bm - 1) / bm;
-  const dim3 grid((a.W.rows + kGemmTileN - 1) / kGemmTileN, m_tiles);
-  if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, bm, grid, stream);
-  else if (a.W.bits == 8) launch_gemm_format<kWQ8>(a, bm, grid, stream);
-  else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, bm, grid, stream);
-  else if (a.W.wdt == kF16) launch_gemm_format<kWF16>(a, bm, grid, stream);
-  else launch_gemm_format<kWF32>(a, bm, grid, stream);
+// The product with tile t (one of kGemmTiles).
+inline void gemm_tiled(const GemmArgs& a, GemmTile t, cudaStream_t stream) {
+  if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, t, stream);
+  else if (a.W.bits == 8) launch_gemm_format<kWQ8>(a, t, stream);
+  else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, t, stream);
+  else if (a.W.wdt == kF16) launch_gemm_format<kWF16>(a, t, stream);
+  else launch_gemm_format<kWF32>(a, t, stream);
 }
 
 inline void gemm(const GemmArgs& a, cudaStream_t stream) {
@@ -356,7 +366,7 @@ inline void gemm(const GemmArgs& a, cudaStream_t stream) {
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  gemm_tiled(a, gemm_tile_rows(a, sms), stream);
+  gemm_tiled(a, gemm_tile(a, sms), stream);
 }
 
 }  // namespace lily::cuda
