@@ -337,8 +337,9 @@ void launch_gemm_format(const GemmArgs& a, GemmTile t, cudaStream_t stream) {
   else launch_gemm_mma<F, 128, 128>(a, stream);
 }
 
-// For a grouped product the token rows an expert has on average; for a dense one the largest tile that still
-// gives every multiprocessor a block.
+// For a grouped product the token rows an expert has on average; for a dense one the largest tile that M fills
+// at least once and that still gives every multiprocessor a block (a few rows against a wide matrix, lm_head's,
+// take the smallest: the products of empty tile rows would cost more than the weights' bytes).
 inline GemmTile gemm_tile(const GemmArgs& a, int multiprocessors) {
   if (a.counts) {
     const int avg = a.M / (a.groups > 0 ? a.groups : 1);
@@ -346,7 +347,7 @@ inline GemmTile gemm_tile(const GemmArgs& a, int multiprocessors) {
   }
   const int64_t ntiles = (a.W.rows + 127) / 128;
   for (int bm : {128, 64})
-    if (ntiles * ((a.M + bm - 1) / bm) >= multiprocessors) return {bm, 128};
+    if (a.M >= bm && ntiles * ((a.M + bm - 1) / bm) >= multiprocessors) return {bm, 128};
   return {32, 128};
 }
 
