@@ -89,11 +89,10 @@ def measure(model, prompt_len: int, decode_tokens: int, repeats: int, device: st
         cache = DynamicCache(config=model.config)
         _sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kw: cache})
-        token = out.logits[:, -1:].argmax(-1)
+        prefill_logits = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+        token = prefill_logits[:, -1:].argmax(-1)
         _sync(device)
         t1 = time.perf_counter()
-        finite = finite and bool(torch.isfinite(out.logits).all())
         steps = decode_tokens if r else min(4, decode_tokens)
         generated = []
         for _ in range(steps):
@@ -102,12 +101,13 @@ def measure(model, prompt_len: int, decode_tokens: int, repeats: int, device: st
             generated.append(token)
         _sync(device)
         t2 = time.perf_counter()
+        finite = finite and bool(torch.isfinite(prefill_logits).all() and torch.isfinite(out.logits).all())
         if r:
             prefill_s.append(t1 - t0)
             decode_s_per_token.append((t2 - t1) / steps)
             tokens = torch.cat(generated, dim=1)[0].tolist()
-    decoded_context = prompt_len + decode_tokens
-    assert cache.get_seq_length() == decoded_context, (cache.get_seq_length(), decoded_context)
+    # The decode steps read and extended the prefill's cache (a forward that ignored it would not).
+    assert cache.get_seq_length() == prompt_len + decode_tokens, (cache.get_seq_length(), prompt_len, decode_tokens)
     return {
         "prefill": {"length": prompt_len, "seconds": prefill_s, "tok_s": prompt_len / statistics.median(prefill_s)},
         "decode": {"context": prompt_len, "tokens": decode_tokens, "seconds_per_token": decode_s_per_token,
