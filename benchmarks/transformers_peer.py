@@ -7,8 +7,8 @@ greedy decode with the KV cache right after it, i.e. at that context (tokens/s),
 
 The model is built directly on the device (35 B parameters, ~70 GB of bf16: building them on the host would take
 far longer than the measurement) and filled by transformers' own initialisation (normals of std 0.02, the norms
-and DeltaNet constants as the model class sets them), so the router spreads tokens over experts as a trained
-model would rather than sending every token to the same few. The attention and experts implementations are the
+and DeltaNet constants as the model class sets them): finite activations and router logits of std ~0.9, so each
+token's top-8 experts differ (an uninitialised or zero router would send every token to the same few). The attention and experts implementations are the
 library's defaults on that machine and are recorded, with whether the fused DeltaNet/convolution kernels
 (flash-linear-attention, causal-conv1d) were importable: without them transformers runs its torch fallbacks.
 """
