@@ -279,7 +279,10 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
   report("gemm", shape, tight, 2e-3, 2e-4, flop, ms_new, ms_old);
   report("", "  (vs exact fp32)", loose, 1.5e-2, 4e-3, 0, 0, 0);
   if (ms_new > 0) {
-    std::printf("      tiles (rows x weight rows):");
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const GemmTile picked = gemm_tile(a, sms);
+    std::printf("      gemm() takes %dx%d; tiles (rows x weight rows):", picked.bm, picked.bn);
     for (const GemmTile t : kGemmTiles)
       std::printf("  %dx%d: %.1f TFLOP/s", t.bm, t.bn, flop / time_ms([&] { gemm_tiled(a, t, 0); }) * 1e-9);
     std::printf("\n");
