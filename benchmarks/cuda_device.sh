@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One call on a lent CUDA machine (an H200): build lily._core with the CUDA backend, run the CUDA tests, build
 # the full-size synthetic checkpoint and measure it (benchmarks/cuda_bench.py, then `lily bench --backend
-# cuda`). Logs and JSON go to $OUT (default ./out). Steps: STEPS="build test synth bench" (default all).
+# cuda`). Logs and JSON go to $OUT (default ./out). Steps: STEPS="build kernels test synth bench" (default all;
+# kernels: benchmarks/cuda/prefill_kernels.cu, under compute-sanitizer on its small shapes, then in full, timing
+# the earlier kernels too when build/old_kernels.cuh, a copy of them in namespace lily::old, was carried).
 # Tiny test models: $LILY_TEST_MODELS (carried: the mlx kinds cannot be built without mlx there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-build test synth bench chunk512 lilybench}  # also: profile ncu
+STEPS=${STEPS:-build kernels test synth bench chunk512 lilybench}  # also: profile ncu
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
@@ -24,6 +26,17 @@ if has synth; then
   log "synth full (background)"
   (time python3 -m lily.cli synth --scale full --out /tmp/synth-full) >"$OUT/synth.log" 2>&1 &
   SYNTH=$!
+fi
+if has kernels; then
+  log "prefill kernels"
+  OLD=()
+  [ -f build/old_kernels.cuh ] && OLD=(-DLILY_OLD_KERNELS=\"../../build/old_kernels.cuh\")
+  mkdir -p build
+  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc "${OLD[@]}" benchmarks/cuda/prefill_kernels.cu \
+    -o build/prefill_kernels >"$OUT/kernels_build.log" 2>&1 || tail -20 "$OUT/kernels_build.log"
+  timeout 240 compute-sanitizer --tool memcheck build/prefill_kernels --small >"$OUT/kernels_memcheck.log" 2>&1
+  tail -4 "$OUT/kernels_memcheck.log"
+  timeout 300 build/prefill_kernels 2>&1 | tee "$OUT/prefill_kernels.log"
 fi
 if has test; then
   log tests

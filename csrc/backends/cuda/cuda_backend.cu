@@ -15,8 +15,11 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <unordered_map>
 
+#include "flash_attention.cuh"
+#include "gemm.cuh"
 #include "kernels.cuh"
 
 namespace lily::cuda {
@@ -359,8 +362,38 @@ class CudaBackend final : public Backend {
         s_->capacity, pos_dev_, c_.n_q, c_.n_kv, d, c_.rotary_dim, c_.rope_theta, c_.rms_eps);
   }
 
-  void attn_prefill(int layer, int T, int64_t pos) override { attention(layer, T, pos, 1); }
-  void attn_decode(int layer, int64_t pos) override { attention(layer, 1, pos, kDecodeSplits); }
+  void attn_prefill(int layer, int T, int64_t pos) override {
+    check_pos(pos);
+    if (!op()) return;
+    by_head_dim([&](auto D) {
+      launch_flash_attention<D()>(qbuf_, s_->k[layer], s_->v[layer], s_->capacity, act(Act::q_gate), act(Act::mix),
+                                  width(Act::mix), T, c_.n_q, c_.n_kv, pos_dev_, stream_);
+    });
+  }
+
+  // Split-KV attention for the one row, then the splits merged and gated.
+  void attn_decode(int layer, int64_t pos) override {
+    check_pos(pos);
+    if (!op()) return;
+    by_head_dim([&](auto D) {
+      launch_dependent(attention_kernel<D()>, (c_.n_kv * kDecodeSplits + 3) / 4, 128, 0, qbuf_, s_->k[layer],
+                       s_->v[layer], s_->capacity, c_.n_q, c_.n_kv, kDecodeSplits, pos_dev_, attn_part_);
+    });
+    launch_dependent(attention_combine_kernel, c_.n_q, 4 * c_.head_dim,
+                     (kDecodeSplits + 4 * c_.head_dim) * sizeof(float), attn_part_, kDecodeSplits, c_.head_dim,
+                     act(Act::q_gate), act(Act::mix), c_.n_q);
+  }
+
+  // f(std::integral_constant<int, head_dim>) for the head dims check_geometry allows.
+  template <class F>
+  void by_head_dim(F&& f) const {
+    switch (c_.head_dim) {
+      case 32: f(std::integral_constant<int, 32>{}); break;
+      case 64: f(std::integral_constant<int, 64>{}); break;
+      case 128: f(std::integral_constant<int, 128>{}); break;
+      default: f(std::integral_constant<int, 256>{}); break;
+    }
+  }
 
   // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence, the gated
   // norm over all rows.
@@ -642,14 +675,12 @@ class CudaBackend final : public Backend {
       gemv(jobs, X, nullptr, nullptr);
       return;
     }
-    GemmArgs a{lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, accumulate};
-    gemm(a, (T + kTileM - 1) / kTileM, 1);
+    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, accumulate, 1}, stream_);
   }
 
   // The experts' GEMM over the grouped assignment slots (rows of X gathered through `rows` / `div`).
   void grouped(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y, int ldy) {
-    GemmArgs a{lin(W), X, ldx, Y, ldy, 0, counts_, offsets_, rows, div, false};
-    gemm(a, (T + kTileM - 1) / kTileM, c_.experts);
+    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T * c_.top_k, counts_, offsets_, rows, div, false, c_.experts}, stream_);
   }
 
   // The decode path's kernels go out with programmatic dependent launch (the kernels' start_next_kernel /
@@ -666,33 +697,10 @@ class CudaBackend final : public Backend {
     CK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
   }
 
-  void gemm(const GemmArgs& a, int m_tiles, int groups) {
-    gemm_kernel<<<dim3((a.W.rows + kTileN - 1) / kTileN, m_tiles, groups), 256, 0, stream_>>>(a);
-  }
-
   void swiglu(const float* g, const float* u, float* h, int64_t n) {
     swiglu_kernel<<<int((n + 255) / 256), 256, 0, stream_>>>(g, u, h, n);
   }
 
-  void attention(int layer, int T, int64_t pos, int splits) {
-    check_pos(pos);
-    if (!op()) return;
-    const int warps = T * c_.n_kv * splits;
-    auto run = [&](auto kernel) {
-      launch_dependent(kernel, (warps + 3) / 4, 128, 0, qbuf_, s_->k[layer], s_->v[layer], s_->capacity,
-                       act(Act::q_gate), act(Act::mix), width(Act::mix), T, c_.n_q, c_.n_kv, splits, pos_dev_,
-                       attn_part_);
-    };
-    switch (c_.head_dim) {
-      case 32: run(attention_kernel<32>); break;
-      case 64: run(attention_kernel<64>); break;
-      case 128: run(attention_kernel<128>); break;
-      default: run(attention_kernel<256>); break;
-    }
-    if (splits > 1)
-      launch_dependent(attention_combine_kernel, c_.n_q, 4 * c_.head_dim,
-                       (splits + 4 * c_.head_dim) * sizeof(float), attn_part_, splits, c_.head_dim,
-                       act(Act::q_gate), act(Act::mix), c_.n_q);
   }
 
   void grow_logits(int rows) {

@@ -5,7 +5,6 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 
 #include <cstdint>
 
@@ -402,121 +401,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_kernel(GemvJobs jobs,
   }
 }
 
-// ---------------------------------------------------------------- GEMM on the tensor cores
-
-// Y[p, n] (+)= Σ_k W_e[n, k] · X[row(p), k] for the rows p of each group e (a dense matrix is one group of
-// M rows). Groups (MoE experts) are segments [offsets[e], offsets[e] + counts[e]) of p; X rows are gathered
-// through in_rows[p] / in_div when in_rows is given (the MoE's token of an assignment slot).
-struct GemmArgs {
-  LinDev W;
-  const float* X;
-  int ldx;
-  float* Y;
-  int ldy;
-  int M;
-  const int* counts;   // [E] or null
-  const int* offsets;  // [E] or null
-  const int* in_rows;  // or null
-  int in_div;
-  bool accumulate;
-};
-
-constexpr int kTileM = 64, kTileN = 128, kTileK = 64, kPadK = kTileK + 8, kPadN = kTileN + 4;
-
-__global__ void __launch_bounds__(256) gemm_kernel(GemmArgs a) {
-  using namespace nvcuda;
-  const int e = blockIdx.z;
-  const int base = a.offsets ? a.offsets[e] : 0;
-  const int count = a.counts ? a.counts[e] : a.M;
-  const int m0 = blockIdx.y * kTileM, n0 = blockIdx.x * kTileN;
-  if (m0 >= count) return;
-  constexpr int kABytes = kTileM * kPadK * 2, kBBytes = kTileN * kPadK * 2, kCBytes = kTileM * kPadN * 4;
-  constexpr int kBytes = kABytes + kBBytes > kCBytes ? kABytes + kBBytes : kCBytes;
-  __shared__ __align__(128) uint8_t smem[kBytes];
-  __nv_bfloat16* As = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* Bs = reinterpret_cast<__nv_bfloat16*>(smem + kABytes);
-  float* Cs = reinterpret_cast<float*>(smem);
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const int wm = warp >> 2, wn = warp & 3;  // warp tile: rows wm·32, columns wn·32
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-
-  const int a_row = tid >> 2, a_col = (tid & 3) * 16;
-  const bool a_valid = m0 + a_row < count;
-  const float* a_src = nullptr;
-  if (a_valid) {
-    const int p = base + m0 + a_row;
-    const int xr = a.in_rows ? a.in_rows[p] / a.in_div : p;
-    a_src = a.X + int64_t(xr) * a.ldx;
-  }
-  const int b_row = tid >> 1, b_col = (tid & 1) * 32;
-  const bool b_valid = n0 + b_row < a.W.rows;
-  const int K = a.W.cols;
-
-  for (int k0 = 0; k0 < K; k0 += kTileK) {
-    {
-      __nv_bfloat16* dst = As + a_row * kPadK + a_col;
-      const int c = k0 + a_col;
-      if (a_valid && c < K) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float4 f = *reinterpret_cast<const float4*>(a_src + c + 4 * i);
-          dst[4 * i] = __float2bfloat16(f.x), dst[4 * i + 1] = __float2bfloat16(f.y);
-          dst[4 * i + 2] = __float2bfloat16(f.z), dst[4 * i + 3] = __float2bfloat16(f.w);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) dst[i] = __float2bfloat16(0.f);
-      }
-    }
-    {
-      __nv_bfloat16* dst = Bs + b_row * kPadK + b_col;
-      const int c = k0 + b_col;
-      if (b_valid && c < K) {
-        float v[32];
-        dequant32(a.W, e, n0 + b_row, c, v);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) dst[i] = __float2bfloat16(v[i]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) dst[i] = __float2bfloat16(0.f);
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < kTileK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], As + (wm * 32 + 16 * i) * kPadK + kk, kPadK);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], Bs + (wn * 32 + 16 * j) * kPadK + kk, kPadK);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(Cs + (wm * 32 + 16 * i) * kPadN + wn * 32 + 16 * j, acc[i][j], kPadN,
-                              wmma::mem_row_major);
-  __syncthreads();
-  for (int idx = tid; idx < kTileM * kTileN; idx += 256) {
-    const int r = idx / kTileN, c = idx % kTileN;
-    if (m0 + r >= count || n0 + c >= a.W.rows) continue;
-    float* y = a.Y + int64_t(base + m0 + r) * a.ldy + n0 + c;
-    const float v = Cs[r * kPadN + c];
-    *y = a.accumulate ? *y + v : v;
-  }
-}
-
 // ---------------------------------------------------------------- small row ops
 
 // x[t] ← E[tokens[t]]; a token outside [0, V) (only a device-selected one can be) gives a zero row.
@@ -584,21 +468,21 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
 
 constexpr int kMaxGroup = 8;  // query heads per KV head a warp serves (16 / 2 in the real model)
 
-// One warp per (row t, KV head, split of the keys): the group's G query heads against keys
-// [split·len, (split + 1)·len) of the causal range [0, pos + t]; each lane owns D/32 dimensions. With one
-// split the output is final (softmax, · σ(gate)) into mix; else partial (max, sum, unnormalised o) into part.
+// Decode's split-KV attention for the row at pos, one warp per (KV head, split of the keys): the group's G query
+// heads against keys [split·len, (split + 1)·len) of the causal range [0, pos]; each lane owns D/32 dimensions.
+// The partial results (max, sum, unnormalised o) go to part, merged by attention_combine_kernel. (Prefill's
+// attention is flash_attention.cuh.)
 template <int D>
 __global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc, int64_t cap,
-                                 const float* q_gate, float* mix, int ldmix, int T, int n_q, int n_kv, int splits,
-                                 const int64_t* pos_dev, float* part) {
+                                 int n_q, int n_kv, int splits, const int64_t* pos_dev, float* part) {
   constexpr int PL = D / 32;
   start_next_kernel();
   wait_previous_kernel();
   const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (gw >= T * n_kv * splits) return;
-  const int split = gw % splits, kvh = (gw / splits) % n_kv, t = gw / (splits * n_kv);
+  if (gw >= n_kv * splits) return;
+  const int split = gw % splits, kvh = gw / splits;
   const int G = n_q / n_kv;
-  const int64_t n = *pos_dev + t + 1;
+  const int64_t n = *pos_dev + 1;
   const int64_t len = (n + splits - 1) / splits, s0 = split * len, s1 = s0 + len < n ? s0 + len : n;
   const float scale = rsqrtf(float(D));
   float q[kMaxGroup][PL], o[kMaxGroup][PL], m[kMaxGroup], l[kMaxGroup];
@@ -607,7 +491,7 @@ __global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, con
     m[g] = -INFINITY, l[g] = 0.f;
 #pragma unroll
     for (int i = 0; i < PL; ++i) {
-      q[g][i] = g < G ? qbuf[(int64_t(t) * n_q + kvh * G + g) * D + lane * PL + i] * scale : 0.f;
+      q[g][i] = g < G ? qbuf[(kvh * G + g) * D + lane * PL + i] * scale : 0.f;
       o[g][i] = 0.f;
     }
   }
@@ -645,20 +529,10 @@ __global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, con
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
     if (g >= G) break;
-    const int h = kvh * G + g;
-    if (splits == 1) {
-      const float* gate = q_gate + (int64_t(t) * 2 * n_q + 2 * h) * D + D;
+    float* pp = part + (int64_t(kvh * G + g) * splits + split) * (D + 2);
 #pragma unroll
-      for (int i = 0; i < PL; ++i) {
-        const int c = lane * PL + i;
-        mix[int64_t(t) * ldmix + h * D + c] = o[g][i] / l[g] * sigmoidf_(gate[c]);
-      }
-    } else {
-      float* pp = part + (int64_t(h) * splits + split) * (D + 2);
-#pragma unroll
-      for (int i = 0; i < PL; ++i) pp[2 + lane * PL + i] = o[g][i];
-      if (lane == 0) pp[0] = m[g], pp[1] = l[g];
-    }
+    for (int i = 0; i < PL; ++i) pp[2 + lane * PL + i] = o[g][i];
+    if (lane == 0) pp[0] = m[g], pp[1] = l[g];
   }
 }
 

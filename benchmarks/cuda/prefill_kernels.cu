@@ -1,0 +1,478 @@
+// Correctness and speed of the CUDA backend's prefill kernels (gemm.cuh, flash_attention.cuh) on fresh random
+// data, each against a naive fp32 reference kernel in this file, at the model's shapes; exits 1 on a failure.
+//
+//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/prefill_kernels.cu \
+//        -o build/prefill_kernels && build/prefill_kernels
+//
+// `build/prefill_kernels --small` runs only the small shapes, untimed (for compute-sanitizer).
+// With -DLILY_OLD_KERNELS='"path"' (a copy of an earlier kernels.cuh whose namespace is renamed lily::old) the
+// earlier gemm_kernel / attention_kernel are timed on the same data too.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/flash_attention.cuh"
+#ifdef LILY_OLD_KERNELS
+#include LILY_OLD_KERNELS
+#endif
+
+using namespace lily::cuda;
+
+namespace {
+
+void ck(cudaError_t e, const char* what, int line) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error %s at line %d: %s\n", cudaGetErrorString(e), line, what);
+    std::exit(2);
+  }
+}
+#define CK(x) ck((x), #x, __LINE__)
+
+std::mt19937 rng(1234);
+int failures = 0;
+
+template <class T>
+T* upload(const std::vector<T>& h) {
+  T* d = nullptr;
+  CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <class T>
+std::vector<T> download(const T* d, size_t n) {
+  std::vector<T> h(n);
+  CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+std::vector<float> random_floats(size_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+uint16_t to_f16_bits(float f) {
+  const __half h = __float2half(f);
+  return *reinterpret_cast<const uint16_t*>(&h);
+}
+
+// Parameters (scales, biases, dense weights) stored as dtype dt.
+std::vector<uint8_t> encode(const std::vector<float>& v, int dt) {
+  std::vector<uint8_t> out(v.size() * (dt == kF32 ? 4 : 2));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dt == kF32) std::memcpy(&out[4 * i], &v[i], 4);
+    else {
+      const uint16_t b = dt == kBF16 ? to_bf16_bits(v[i]) : to_f16_bits(v[i]);
+      std::memcpy(&out[2 * i], &b, 2);
+    }
+  }
+  return out;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <class F>
+float time_ms(F&& launch, int repeats = 15) {
+  launch();  // warm-up (and the shared-memory attribute)
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < repeats; ++i) {
+    CK(cudaEventRecord(a));
+    launch();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float t = 0.f;
+    CK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(ms);
+}
+
+// max |got - ref| / max |ref| and mean |got - ref| / mean |ref| over the rows given (all when rows is empty).
+struct Err {
+  double max_rel = 0, mean_rel = 0;
+};
+Err compare(const std::vector<float>& got, const std::vector<float>& ref) {
+  double mx = 0, sum = 0, emx = 0, esum = 0;
+  bool finite = true;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) finite = false;
+    const double d = std::fabs(double(got[i]) - ref[i]);
+    mx = std::max(mx, double(std::fabs(ref[i]))), sum += std::fabs(ref[i]);
+    emx = std::max(emx, d), esum += d;
+  }
+  if (!finite) return {INFINITY, INFINITY};
+  return {emx / std::max(mx, 1e-30), esum / std::max(sum, 1e-30)};
+}
+
+void report(const char* what, const std::string& shape, Err e, double max_tol, double mean_tol, double flop,
+            float ms_new, float ms_old) {
+  const bool ok = e.max_rel <= max_tol && e.mean_rel <= mean_tol;
+  if (!ok) ++failures;
+  std::printf("%-5s %-52s max %.2e mean %.2e %s", what, shape.c_str(), e.max_rel, e.mean_rel, ok ? "ok  " : "FAIL");
+  if (ms_new > 0) std::printf("  new %8.3f ms %6.1f TFLOP/s", ms_new, flop / ms_new * 1e-9);
+  if (ms_old > 0) std::printf("  old %8.3f ms %6.1f TFLOP/s", ms_old, flop / ms_old * 1e-9);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+// ---------------------------------------------------------------- GEMM
+
+// Element (n, k) of expert e, decoded element by element (independently of gemm.cuh's chunks).
+__device__ float ref_weight(const LinDev& W, int e, int n, int k) {
+  const uint8_t* row = W.w + uint64_t(e) * W.w_expert + uint64_t(n) * W.w_row;
+  if (!W.bits) return load_param(row, W.wdt, k);
+  const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(n) * W.s_row;
+  const float s = load_param(W.s + s_off, W.sdt, k / W.group), b = load_param(W.b + s_off, W.sdt, k / W.group);
+  const uint32_t word = reinterpret_cast<const uint32_t*>(row)[k * W.bits / 32];
+  const int per = 32 / W.bits;
+  const uint32_t q = (word >> (W.bits * (k % per))) & ((1u << W.bits) - 1u);
+  return s * float(q) + b;
+}
+
+__device__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// One thread per output (p, n): the expert of p found by scanning the offsets. `rounded`: weights and
+// activations rounded to bf16 first (what the tensor cores multiply), else exact fp32.
+__global__ void ref_gemm_kernel(GemmArgs a, bool rounded) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(a.M) * a.W.rows) return;
+  const int p = int(idx / a.W.rows), n = int(idx % a.W.rows);
+  int e = 0;
+  if (a.counts) {
+    e = -1;
+    for (int i = 0; i < a.groups; ++i)
+      if (p >= a.offsets[i] && p < a.offsets[i] + a.counts[i]) e = i;
+    if (e < 0) return;
+  }
+  const float* x = a.X + int64_t(a.in_rows ? a.in_rows[p] / a.in_div : p) * a.ldx;
+  float acc = 0.f;
+  for (int k = 0; k < a.W.cols; ++k) {
+    float w = ref_weight(a.W, e, n, k), xv = x[k];
+    if (rounded) w = round_bf16(w), xv = round_bf16(xv);
+    acc = fmaf(w, xv, acc);
+  }
+  float* y = a.Y + int64_t(p) * a.ldy + n;
+  *y = a.accumulate ? *y + acc : acc;
+}
+
+struct Weights {
+  LinDev W;
+  std::vector<void*> owned;
+  ~Weights() {
+    for (void* p : owned) cudaFree(p);
+  }
+};
+
+// E experts of [N, K] in format (bits 0: dense wdt), scales/biases in sdt, groups of `group`.
+void make_weights(Weights& w, int E, int N, int K, int bits, int wdt, int sdt, int group) {
+  LinDev& W = w.W;
+  W.bits = bits, W.group = bits ? group : 0, W.wdt = wdt, W.sdt = sdt, W.rows = N, W.cols = K;
+  if (bits) {
+    W.w_row = uint64_t(K) * bits / 8;
+    std::vector<uint8_t> codes(W.w_row * N * E);
+    for (auto& c : codes) c = uint8_t(rng());
+    const int groups = K / group, pbytes = sdt == kF32 ? 4 : 2;
+    W.s_row = uint64_t(groups) * pbytes;
+    const float qmax = float((1 << bits) - 1);
+    // weights ≈ scale · (q - qmax/2) + jitter: centred, of magnitude ~1/sqrt(K) like a trained matrix
+    std::vector<float> s = random_floats(size_t(groups) * N * E, 0.5f, 1.5f), b(s.size());
+    std::uniform_real_distribution<float> jit(-0.2f, 0.2f);
+    for (size_t i = 0; i < s.size(); ++i) {
+      s[i] *= 2.f / qmax / std::sqrt(float(K));
+      b[i] = -s[i] * (qmax / 2 + jit(rng));
+    }
+    auto* dw = upload(codes);
+    auto* ds = upload(encode(s, sdt));
+    auto* db = upload(encode(b, sdt));
+    W.w = dw, W.s = ds, W.b = db;
+    w.owned = {dw, ds, db};
+  } else {
+    W.w_row = uint64_t(K) * (wdt == kF32 ? 4 : 2);
+    auto* dw = upload(encode(random_floats(size_t(N) * K * E, -1.f / std::sqrt(float(K)), 1.f / std::sqrt(float(K))), wdt));
+    W.w = dw;
+    w.owned = {dw};
+  }
+  W.w_expert = W.w_row * N, W.s_expert = W.s_row * N;
+}
+
+const char* format_name(int bits, int wdt, int sdt) {
+  static char buf[32];
+  const char* dt[] = {"f32", "bf16", "f16"};
+  if (bits) std::snprintf(buf, sizeof buf, "q%d/%s", bits, dt[sdt]);
+  else std::snprintf(buf, sizeof buf, "%s", dt[wdt]);
+  return buf;
+}
+
+#ifdef LILY_OLD_KERNELS
+lily::old::GemmArgs old_args(const GemmArgs& a) {
+  lily::old::LinDev w;
+  std::memcpy(&w, &a.W, sizeof w);
+  static_assert(sizeof(lily::old::LinDev) == sizeof(LinDev), "same LinDev");
+  return {w, a.X, a.ldx, a.Y, a.ldy, a.M, a.counts, a.offsets, a.in_rows, a.in_div, a.accumulate};
+}
+#endif
+
+// One product with each tile checked against both references (bf16-rounded inputs: tight; exact fp32:
+// bf16's error), and timed (gemm()'s choice of tile, and each tile).
+void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<float>& y0, bool time,
+                int old_m_tiles) {
+  const size_t ny = size_t(rows_out) * a.ldy;
+  auto run_ref = [&](bool rounded) {
+    CK(cudaMemcpy(a.Y, y0.data(), ny * 4, cudaMemcpyHostToDevice));
+    const int64_t n = int64_t(a.M) * a.W.rows;
+    ref_gemm_kernel<<<int((n + 255) / 256), 256>>>(a, rounded);
+    CK(cudaGetLastError());
+    return download(a.Y, ny);
+  };
+  const auto ref_rounded = run_ref(true), ref_exact = run_ref(false);
+  Err tight, loose;  // the worst over the tiles
+  for (const GemmTile t : kGemmTiles) {
+    CK(cudaMemcpy(a.Y, y0.data(), ny * 4, cudaMemcpyHostToDevice));
+    gemm_tiled(a, t, 0);
+    CK(cudaGetLastError());
+    const auto got = download(a.Y, ny);
+    const Err et = compare(got, ref_rounded), el = compare(got, ref_exact);
+    tight = {std::max(tight.max_rel, et.max_rel), std::max(tight.mean_rel, et.mean_rel)};
+    loose = {std::max(loose.max_rel, el.max_rel), std::max(loose.mean_rel, el.mean_rel)};
+  }
+  float ms_new = 0, ms_old = 0;
+  const double flop = 2.0 * a.M * a.W.rows * a.W.cols;
+  if (time && !a.accumulate) {
+    ms_new = time_ms([&] { gemm(a, 0); });
+#ifdef LILY_OLD_KERNELS
+    const auto o = old_args(a);
+    ms_old = time_ms([&] {
+      lily::old::gemm_kernel<<<dim3((a.W.rows + lily::old::kTileN - 1) / lily::old::kTileN, old_m_tiles,
+                                    a.counts ? a.groups : 1),
+                               256>>>(o);
+    });
+#endif
+  }
+  (void)old_m_tiles;
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "%s %s M=%d N=%d K=%d%s", what, format_name(a.W.bits, a.W.wdt, a.W.sdt), a.M,
+                a.W.rows, a.W.cols, a.accumulate ? " +=" : "");
+  report("gemm", shape, tight, 2e-3, 2e-4, flop, ms_new, ms_old);
+  report("", "  (vs exact fp32)", loose, 1.5e-2, 4e-3, 0, 0, 0);
+  if (ms_new > 0) {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const GemmTile picked = gemm_tile(a, sms);
+    std::printf("      gemm() takes %dx%d; tiles (rows x weight rows):", picked.bm, picked.bn);
+    for (const GemmTile t : kGemmTiles)
+      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, t.bn, flop / time_ms([&] { gemm_tiled(a, t, 0); }) * 1e-9);
+    std::printf("\n");
+  }
+}
+
+void dense_case(int M, int N, int K, int bits, int wdt, int sdt, int group, bool accumulate, bool time) {
+  Weights w;
+  make_weights(w, 1, N, K, bits, wdt, sdt, group);
+  const int ldx = K + 32, ldy = N + 8;  // strided rows, as the backend's activations can be
+  float* X = upload(random_floats(size_t(M) * ldx, -2.f, 2.f));
+  const auto y0 = random_floats(size_t(M) * ldy, -1.f, 1.f);
+  float* Y = upload(y0);
+  GemmArgs a{w.W, X, ldx, Y, ldy, M, nullptr, nullptr, nullptr, 1, accumulate, 1};
+  check_gemm("dense", a, M, y0, time, (M + 63) / 64);
+  cudaFree(X);
+  cudaFree(Y);
+}
+
+// T tokens routed to top_k of E experts (random, some experts empty, one crowded), gate/up-style (rows of X
+// gathered per slot) or down-style (X already in slot order).
+void grouped_case(int T, int E, int top_k, int N, int K, bool gather, bool time) {
+  Weights w;
+  make_weights(w, E, N, K, 4, kBF16, kBF16, 64);
+  const int slots = T * top_k;
+  std::vector<int> expert_of(slots);
+  std::uniform_int_distribution<int> pick(0, E - 1);
+  for (int s = 0; s < slots; ++s) {
+    int e = pick(rng);
+    if (e < E / 16) e = E - 1;  // the first experts stay empty, the last gets their share too
+    expert_of[s] = e;
+  }
+  std::vector<int> counts(E, 0), offsets(E, 0), perm(slots);
+  for (int e : expert_of) ++counts[e];
+  std::exclusive_scan(counts.begin(), counts.end(), offsets.begin(), 0);
+  std::vector<int> fill(offsets);
+  for (int s = 0; s < slots; ++s) perm[fill[expert_of[s]]++] = s;
+  const int x_rows = gather ? T : slots, ldx = K, ldy = N;
+  float* X = upload(random_floats(size_t(x_rows) * ldx, -2.f, 2.f));
+  const auto y0 = random_floats(size_t(slots) * ldy, -1.f, 1.f);
+  float* Y = upload(y0);
+  int* dc = upload(counts);
+  int* doff = upload(offsets);
+  int* dperm = upload(perm);
+  GemmArgs a{w.W, X, ldx, Y, ldy, slots, dc, doff, gather ? dperm : nullptr, gather ? top_k : 1, false, E};
+  char what[48];
+  std::snprintf(what, sizeof what, "grouped T=%d E=%d top%d max%d", T, E, top_k,
+                *std::max_element(counts.begin(), counts.end()));
+  check_gemm(what, a, slots, y0, time, (T + 63) / 64);
+  for (void* p : std::initializer_list<void*>{X, Y, dc, doff, dperm}) cudaFree(p);
+}
+
+// ---------------------------------------------------------------- attention
+
+// One block per (row t, query head h): scores over keys [0, pos + t] in fp32 (q fp32, K and V bf16), softmax,
+// · V, · σ(gate).
+__global__ void ref_attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc,
+                                     int64_t cap, const float* q_gate, float* mix, int ldmix, int n_q, int n_kv,
+                                     int D, int64_t pos) {
+  extern __shared__ float sc[];
+  __shared__ float red[32];
+  const int t = blockIdx.x, h = blockIdx.y, kvh = h / (n_q / n_kv);
+  const int64_t n = pos + t + 1;
+  const float* q = qbuf + (int64_t(t) * n_q + h) * D;
+  const __nv_bfloat16* Kh = Kc + int64_t(kvh) * cap * D;
+  const __nv_bfloat16* Vh = Vc + int64_t(kvh) * cap * D;
+  for (int64_t s = threadIdx.x; s < n; s += blockDim.x) {
+    float dot = 0.f;
+    for (int c = 0; c < D; ++c) dot = fmaf(q[c], __bfloat162float(Kh[s * D + c]), dot);
+    sc[s] = dot / sqrtf(float(D));
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int64_t s = threadIdx.x; s < n; s += blockDim.x) mx = fmaxf(mx, sc[s]);
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int i = 0; i < int(blockDim.x >> 5); ++i) mx = fmaxf(mx, red[i]);
+  __syncthreads();
+  for (int64_t s = threadIdx.x; s < n; s += blockDim.x) sc[s] = expf(sc[s] - mx);
+  __syncthreads();
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float l = 0.f, o = 0.f;
+    for (int64_t s = 0; s < n; ++s) l += sc[s], o = fmaf(sc[s], __bfloat162float(Vh[s * D + c]), o);
+    const float gate = q_gate[(int64_t(t) * 2 * n_q + 2 * h) * D + D + c];
+    mix[int64_t(t) * ldmix + h * D + c] = o / l / (1.f + expf(-gate));
+  }
+}
+
+template <int D>
+void attention_case(int T, int64_t pos, int n_q, int n_kv, bool time) {
+  const int64_t cap = (pos + T + 1023) / 1024 * 1024 + 64;
+  // rows past pos + T hold NaN: a kernel that reads them without masking them out fails
+  std::vector<uint16_t> kc(size_t(n_kv) * cap * D, 0x7fc0), vc(kc.size(), 0x7fc0);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (int h = 0; h < n_kv; ++h)
+    for (int64_t s = 0; s < pos + T; ++s)
+      for (int c = 0; c < D; ++c) {
+        kc[(h * cap + s) * D + c] = to_bf16_bits(2.f * u(rng));  // logits of a few units: a peaked softmax
+        vc[(h * cap + s) * D + c] = to_bf16_bits(u(rng));
+      }
+  auto* K = reinterpret_cast<__nv_bfloat16*>(upload(kc));
+  auto* V = reinterpret_cast<__nv_bfloat16*>(upload(vc));
+  float* qbuf = upload(random_floats(size_t(T) * n_q * D, -1.f, 1.f));
+  float* q_gate = upload(random_floats(size_t(T) * 2 * n_q * D, -3.f, 3.f));
+  const int ldmix = n_q * D + 32;
+  const auto mix0 = random_floats(size_t(T) * ldmix, -1.f, 1.f);
+  float* mix = upload(mix0);
+  int64_t* pos_dev = upload(std::vector<int64_t>{pos});
+  const size_t smem = size_t(pos + T) * 4;
+  CK(cudaFuncSetAttribute(ref_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  ref_attention_kernel<<<dim3(T, n_q), 256, smem>>>(qbuf, K, V, cap, q_gate, mix, ldmix, n_q, n_kv, D, pos);
+  CK(cudaGetLastError());
+  const auto ref = download(mix, size_t(T) * ldmix);
+  CK(cudaMemcpy(mix, mix0.data(), mix0.size() * 4, cudaMemcpyHostToDevice));
+  auto run = [&] { launch_flash_attention<D>(qbuf, K, V, cap, q_gate, mix, ldmix, T, n_q, n_kv, pos_dev, 0); };
+  run();
+  CK(cudaGetLastError());
+  const auto got = download(mix, size_t(T) * ldmix);  // the padding columns too: they must be left alone
+  double flop = 0;
+  for (int t = 0; t < T; ++t) flop += 4.0 * D * n_q * double(pos + t + 1);
+  float ms_new = 0, ms_old = 0;
+  if (time) {
+    ms_new = time_ms(run);
+#ifdef LILY_OLD_KERNELS
+    const int warps = T * n_kv;
+    ms_old = time_ms([&] {
+      lily::old::attention_kernel<D><<<(warps + 3) / 4, 128>>>(qbuf, K, V, cap, q_gate, mix, ldmix, T, n_q, n_kv, 1,
+                                                              pos_dev, nullptr);
+    });
+#endif
+  }
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "D=%d n_q=%d n_kv=%d T=%d pos=%lld", D, n_q, n_kv, T, (long long)pos);
+  report("attn", shape, compare(got, ref), 1.5e-2, 4e-3, flop, ms_new, ms_old);
+  for (void* p : std::initializer_list<void*>{K, V, qbuf, q_gate, mix, pos_dev}) cudaFree(p);
+}
+
+// The model's shapes, the large ones timed.
+void model_shapes() {
+  // the model's dense projections (q4, bf16 scales, groups of 64) at the chunk sizes
+  for (int M : {7, 63, 65, 513, 2048}) {
+    dense_case(M, 12352, 2048, 4, kBF16, kBF16, 64, false, M >= 513);  // GDN in_proj
+    dense_case(M, 8192, 2048, 4, kBF16, kBF16, 64, false, M >= 513);   // attention q (with gate)
+    dense_case(M, 2048, 4096, 4, kBF16, kBF16, 64, false, M >= 513);   // o / out projection
+    dense_case(M, 512, 2048, 4, kBF16, kBF16, 64, false, M >= 513);    // shared expert gate / up
+  }
+  dense_case(512, 256, 2048, 8, kBF16, kBF16, 64, false, true);  // router (8-bit)
+  dense_case(7, 248320, 2048, 4, kBF16, kBF16, 64, false, true);  // lm_head
+  dense_case(2048, 2048, 2048, 0, kBF16, kBF16, 0, false, true);  // dense bf16
+
+  // the experts: gate/up (gathered rows) and down, chunks of 512 and 2048 rows
+  for (int T : {1, 65, 512, 2048}) {
+    grouped_case(T, 256, 8, 512, 2048, true, T >= 512);
+    grouped_case(T, 256, 8, 2048, 512, false, T >= 512);
+  }
+
+  // causal prefill attention: the real geometry (GQA 16/2, d 256) at the chunk sizes and at later positions
+  for (const auto& [T, pos] : {std::pair<int, int64_t>{1, 0}, {7, 0}, {63, 5}, {65, 100}, {513, 0}, {512, 1536},
+                               {2048, 0}, {2048, 2048}})
+    attention_case<256>(T, pos, 16, 2, T >= 512);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool small = argc > 1 && std::string(argv[1]) == "--small";
+  cudaDeviceProp p;
+  CK(cudaGetDeviceProperties(&p, 0));
+  std::printf("%s, %d SMs\n", p.name, p.multiProcessorCount);
+
+  // every weight format, ragged M, N not a multiple of the tile, K with a half k-tile left, accumulate
+  struct Format {
+    int bits, wdt, sdt, group;
+  };
+  for (const Format f : {Format{4, kBF16, kBF16, 64}, Format{4, kBF16, kF32, 32}, Format{4, kBF16, kF16, 64},
+                         Format{8, kBF16, kBF16, 64}, Format{8, kBF16, kF32, 32}, Format{0, kBF16, kBF16, 0},
+                         Format{0, kF16, kBF16, 0}, Format{0, kF32, kBF16, 0}})
+    for (int M : {1, 7, 65, 513}) dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false);
+  dense_case(63, 328, 160, 4, kBF16, kBF16, 32, true, false);
+  dense_case(130, 256, 2048, 8, kBF16, kBF16, 64, true, false);
+  grouped_case(40, 16, 4, 64, 128, true, false);  // the tiny model's experts
+  grouped_case(40, 16, 4, 128, 64, false, false);
+  attention_case<64>(40, 3, 4, 2, false);  // the tiny models' geometries (incl. a group of 3)
+  attention_case<128>(100, 17, 8, 2, false);
+  attention_case<128>(77, 30, 6, 2, false);
+  attention_case<32>(33, 0, 2, 2, false);
+  attention_case<256>(65, 100, 16, 2, false);
+  if (!small) model_shapes();
+  std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
+  return failures ? 1 : 0;
+}
