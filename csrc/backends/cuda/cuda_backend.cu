@@ -701,8 +701,6 @@ class CudaBackend final : public Backend {
     swiglu_kernel<<<int((n + 255) / 256), 256, 0, stream_>>>(g, u, h, n);
   }
 
-  }
-
   void grow_logits(int rows) {
     if (rows <= logit_rows_) return;
     CK(cudaStreamSynchronize(stream_));
