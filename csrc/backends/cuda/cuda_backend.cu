@@ -464,7 +464,7 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
     const int K = c_.top_k, E = c_.experts, H = c_.hidden, I = c_.moe_inter, Is = c_.shared_inter, TK = T * K;
-    topk_kernel<<<(T + 3) / 4, 128, 4 * E * sizeof(float), stream_>>>(router_, E, K, T, route_ids_, route_w_);
+    topk_kernel<<<T, 256, E * sizeof(float), stream_>>>(router_, E, K, route_ids_, route_w_);
     moe_group_kernel<<<1, 1024, 2 * E * sizeof(int), stream_>>>(route_ids_, TK, E, counts_, offsets_, perm_, inv_);
     const float* xn = act(Act::xn);
     grouped(M.gate, xn, H, T, perm_, K, g_, I);
@@ -482,12 +482,14 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
     const int K = c_.top_k, H = c_.hidden, E = c_.experts;
-    // rows per warp: the 9 (expert, width) slices give few rows; one a warp once that fills the SMs twice
-    const int r = (K + 1) * imax_ >= 2 * sms_ * kGemvWarps * 2 ? 2 : 1;
-    const dim3 grid((imax_ + kGemvWarps * r - 1) / (kGemvWarps * r), K + 1);
+    const int items = (K + 1) * imax_, blocks = std::min((items + kGemvWarps - 1) / kGemvWarps, 2 * sms_);
     const size_t smem = (padded_floats(H) + E) * sizeof(float);
-    auto gate_up = r == 2 ? moe_gate_up_kernel<2> : moe_gate_up_kernel<1>;
-    launch_dependent(gate_up, grid, kGemvWarps * 32, smem, lin(M.gate), lin(M.up), lin(M.shared_gate_proj),
+    // streamed: 4-bit experts whose rows a lane covers in at most two rounds (as gemv_shape)
+    const bool streamed = M.gate.bits == 4 && M.up.bits == 4 && M.shared_gate_proj.bits == 4 &&
+                          M.shared_up.bits == 4 && H <= 2048;
+    auto gate_up = streamed ? (H <= 1024 ? moe_gate_up_kernel<1, true> : moe_gate_up_kernel<2, true>)
+                            : moe_gate_up_kernel<1, false>;
+    launch_dependent(gate_up, blocks, kGemvWarps * 32, smem, lin(M.gate), lin(M.up), lin(M.shared_gate_proj),
                      lin(M.shared_up), lin(M.down), lin(M.shared_down), act(Act::xn), H, router_, E, K, route_ids_,
                      route_w_, hbuf_, imax_);
     launch_dependent(moe_down_kernel, (H + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32,
@@ -658,11 +660,14 @@ class CudaBackend final : public Backend {
   }
 
   void gemv(GemvJobs& jobs, const float* x, const float* norm, float* xn_out) {
-    const int rows = jobs.first[jobs.n], cols = jobs.W[0].cols;
-    const int r = gemv_rows_per_warp(rows, sms_);
-    auto kernel = r == 4 ? gemv_kernel<4> : r == 2 ? gemv_kernel<2> : gemv_kernel<1>;
+    const int cols = jobs.W[0].cols;
+    const GemvShape shape = gemv_shape(jobs, sms_);
+    auto kernel = !shape.streamed ? gemv_kernel<1, 1, false>
+                : shape.U == 1    ? gemv_kernel<4, 1, true>
+                : shape.U == 2    ? gemv_kernel<2, 2, true>
+                                  : gemv_kernel<1, 4, true>;
     if (norm && cols > kNormRowMax) throw std::logic_error("[cuda] a normed GEMV row of " + std::to_string(cols));
-    launch_dependent(kernel, (rows + kGemvWarps * r - 1) / (kGemvWarps * r), kGemvWarps * 32,
+    launch_dependent(kernel, shape.blocks, kGemvWarps * 32,
                      padded_floats(cols) * sizeof(float), jobs, x, cols, norm, c_.rms_eps, xn_out);
   }
 

@@ -104,6 +104,8 @@ __device__ __forceinline__ void dequant32(const LinDev& W, int e, int r, int c0,
   }
 }
 
+constexpr int kMaxTopK = 32;
+
 // Rows [r0, r1) of expert e (codes, scales and biases: each a contiguous range) into L2.
 __device__ __forceinline__ void prefetch_rows(const LinDev& W, int e, int r0, int r1) {
   if (r1 <= r0) return;
@@ -213,41 +215,74 @@ __device__ __forceinline__ float dot_q4(const Q4Chunk& c, const float* x, float 
   return fmaf(c.scale * 16.f, sum_xf - xsum, fmaf(c.bias, xsum, acc));
 }
 
-template <int R, int U, bool kPair>
-__device__ __forceinline__ void warp_dot_rows(const LinDev& A, const LinDev& B, const int* e, const int* r,
-                                              const float* xs, float* outA, float* outB) {
-  constexpr int M = kPair ? 2 : 1;
+// R rows of M matrices (M = 2: the experts' gate and up, one geometry) over U column chunks a lane, columns
+// [c0, c0 + 1024·U) of the warp: their loads held in registers, so a warp can issue the loads of its next rows
+// before it computes these (decode's GEMVs stream their weights that way). Rows past `rows` repeat the last.
+template <int R, int U, int M>
+struct Q4Rows {
+  Q4Chunk c[U][M][R];
+  __device__ __forceinline__ void load(const LinDev& A, const LinDev& B, int e, int r0, int rows, int c0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (c0 + lane * 32 + 1024 * u < A.cols)
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int i = 0; i < R; ++i) c[u][m][i] = load_q4(m ? B : A, e, min(r0 + i, rows - 1), c0 + lane * 32 + 1024 * u);
+  }
+  __device__ __forceinline__ void dot(const float* xs, int cols, int c0, float (&acc)[M][R]) const {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (c0 + lane * 32 + 1024 * u < cols) {
+        float x[32];
+        load_chunk(xs, c0 + lane * 32 + 1024 * u, x);
+        float xsum = 0.f;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) xsum += x[k];
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int i = 0; i < R; ++i) acc[m][i] = dot_q4(c[u][m][i], x, xsum, acc[m][i]);
+      }
+  }
+};
+
+// acc[m][i] (per lane) → the warp's sums, lane i holding row i's (out[m] on lane i < R).
+template <int R, int M>
+__device__ __forceinline__ void warp_reduce_rows(float (&acc)[M][R], float* out) {
   const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float mine = 0.f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const float v = warp_sum(acc[m][i]);
+      mine = lane == i ? v : mine;
+    }
+    out[m] = mine;
+  }
+}
+
+// R rows r0… of A (and of B) of expert e · the staged x, any format: 4-bit through Q4Rows a column round at
+// a time, others row by row through dequant32. Lane i < R returns row i's sums in out[m].
+template <int R, int U, int M>
+__device__ __forceinline__ void warp_dot_rows(const LinDev& A, const LinDev& B, int e, int r0, int rows,
+                                              const float* xs, float* out) {
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[m][i] = 0.f;
-  if (A.bits == 4 && (!kPair || B.bits == 4)) {
-    for (int c0 = lane * 32; c0 < A.cols; c0 += 32 * 32 * U) {
-      Q4Chunk c[U][M][R];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (c0 + 1024 * u < A.cols)
-#pragma unroll
-          for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int i = 0; i < R; ++i) c[u][m][i] = load_q4(m ? B : A, e[i], r[i], c0 + 1024 * u);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (c0 + 1024 * u < A.cols) {
-          float x[32];
-          load_chunk(xs, c0 + 1024 * u, x);
-          float xsum = 0.f;
-#pragma unroll
-          for (int k = 0; k < 32; ++k) xsum += x[k];
-#pragma unroll
-          for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int i = 0; i < R; ++i) acc[m][i] = dot_q4(c[u][m][i], x, xsum, acc[m][i]);
-        }
+  if (A.bits == 4 && (M == 1 || B.bits == 4)) {
+    for (int c0 = 0; c0 < A.cols; c0 += 1024 * U) {
+      Q4Rows<R, U, M> q;
+      q.load(A, B, e, r0, rows, c0);
+      q.dot(xs, A.cols, c0, acc);
     }
   } else {
+    const int lane = threadIdx.x & 31;
     for (int c0 = lane * 32; c0 < A.cols; c0 += 32 * 32) {
       float x[32];
       load_chunk(xs, c0, x);
@@ -256,17 +291,13 @@ __device__ __forceinline__ void warp_dot_rows(const LinDev& A, const LinDev& B, 
 #pragma unroll
         for (int i = 0; i < R; ++i) {
           float v[32];
-          dequant32(m ? B : A, e[i], r[i], c0, v);
+          dequant32(m ? B : A, e, min(r0 + i, rows - 1), c0, v);
 #pragma unroll
           for (int k = 0; k < 32; ++k) acc[m][i] = fmaf(v[k], x[k], acc[m][i]);
         }
     }
   }
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    outA[i] = warp_sum(acc[0][i]);
-    if (kPair) outB[i] = warp_sum(acc[M - 1][i]);
-  }
+  warp_reduce_rows<R, M>(acc, out);
 }
 
 // n floats (a multiple of 4, 16-byte aligned) from global into shared memory, padded as above, each thread's
@@ -340,63 +371,90 @@ struct GemvJobs {
 };
 
 constexpr int kGemvWarps = 8;
-// R rows per warp: fewer for smaller matrices, so that every SM gets at least two blocks (a 2,048-row output
-// at four rows a warp fills 64 blocks, half the H200's SMs); 8 / R column chunks a lane in flight.
-inline int gemv_rows_per_warp(int rows, int sms) {
-  if (rows >= 2 * sms * kGemvWarps * 4) return 4;
-  if (rows >= 2 * sms * kGemvWarps * 2) return 2;
-  return 1;
+
+// Decode's GEMV shape: U = the 1,024-column rounds a row needs (a lane's 16-byte loads, 32 columns each),
+// R = 4 / U rows a warp at a time (R·U = 4 loads a lane in flight, twice that while the next rows stream in),
+// and a grid of at most two blocks an SM (what the registers allow) whose warps walk the rows: every block
+// stages x once, no partial last wave, and each warp issues its next rows' loads before it computes these.
+// Streamed: every job 4-bit, its rows a multiple of R and its columns at most 1,024·U; otherwise a row a warp
+// at a time through warp_dot_rows (any format, any size).
+struct GemvShape {
+  int R, U, blocks;
+  bool streamed;
+};
+inline GemvShape gemv_shape(const GemvJobs& jobs, int sms) {
+  const int cols = jobs.W[0].cols, U = cols <= 1024 ? 1 : cols <= 2048 ? 2 : 4;
+  bool streamed = cols <= 1024 * U;
+  for (int j = 0; j < jobs.n; ++j) streamed = streamed && jobs.W[j].bits == 4 && jobs.W[j].rows % (4 / U) == 0;
+  const int R = streamed ? 4 / U : 1, groups = jobs.first[jobs.n] / R;
+  return {R, U, std::min((groups + kGemvWarps - 1) / kGemvWarps, 2 * sms), streamed};
+}
+
+// f(W) for job j, with the job's parameters at fixed offsets (a runtime index into a kernel parameter array
+// makes the compiler copy the whole array to local memory).
+template <class F>
+__device__ __forceinline__ void with_job(const GemvJobs& jobs, int j, F&& f) {
+  switch (j) {
+    case 0: f(jobs.W[0]); break;
+    case 1: f(jobs.W[1]); break;
+    case 2: f(jobs.W[2]); break;
+    default: f(jobs.W[3]); break;
+  }
 }
 
 // out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null); `xn_out`, when given, receives the staged row
-// (block 0), for the ops after a fused norm that read xn. Each warp R consecutive rows (job sizes are
-// multiples of R but for tails, which go row by row).
-template <int R>
+// (block 0), for the ops after a fused norm that read xn.
+template <int R, int U, bool kStreamed>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_kernel(GemvJobs jobs, const float* x, int cols,
-                                                                const float* norm, float eps, float* xn_out) {
+                                                                   const float* norm, float eps, float* xn_out) {
   extern __shared__ float xs[];
   __shared__ float scratch[32];
-  start_next_kernel();
-  if (threadIdx.x < jobs.n) {  // this block's rows of each job
-    const int j = threadIdx.x, lo = blockIdx.x * kGemvWarps * R, hi = lo + kGemvWarps * R;
-    prefetch_rows(jobs.W[j], 0, max(lo, jobs.first[j]) - jobs.first[j],
-                  min(hi, jobs.first[j + 1]) - jobs.first[j]);
+  __shared__ int first[5];  // the jobs' row ranges and outputs, indexed at run time
+  __shared__ float* outs[4];
+  const int lane = threadIdx.x & 31, stride = gridDim.x * kGemvWarps;
+  if (threadIdx.x == 0) {
+    first[0] = jobs.first[0], first[1] = jobs.first[1], first[2] = jobs.first[2], first[3] = jobs.first[3];
+    first[4] = jobs.first[4];
+    outs[0] = jobs.out[0], outs[1] = jobs.out[1], outs[2] = jobs.out[2], outs[3] = jobs.out[3];
   }
+  __syncthreads();
+  const int total = first[jobs.n], groups = total / R;
+  auto job_of = [&](int r) {
+    int j = 0;
+    while (j + 1 < jobs.n && r >= first[j + 1]) ++j;
+    return j;
+  };
+  auto store = [&](int j, int row, float v) {
+    float* o = outs[j] + row;
+    *o = jobs.accumulate ? *o + v : v;
+  };
+  int g = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  start_next_kernel();
+  Q4Rows<R, U, 1> cur, next;
+  auto load = [&](Q4Rows<R, U, 1>& q, int group) {
+    const int j = job_of(group * R);
+    with_job(jobs, j, [&](const LinDev& W) { q.load(W, W, 0, group * R - first[j], W.rows, 0); });
+  };
+  if (kStreamed && g < groups) load(cur, g);  // before the wait: weights are no kernel's output
   wait_previous_kernel();
   stage_row(x, cols, norm, eps, xs, scratch);
   if (xn_out && blockIdx.x == 0)
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) xn_out[j] = xs[padded(j)];
-  const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * R;
-  if (r0 >= jobs.first[jobs.n]) return;
-  int j = 0;
-  while (r0 >= jobs.first[j + 1]) ++j;
-  const int row = r0 - jobs.first[j];
-  const int lane = threadIdx.x & 31;
-  const int zero[R] = {};
-  if (r0 + R <= jobs.first[j + 1]) {
-    int rows[R];
-    float v[R];
-#pragma unroll
-    for (int i = 0; i < R; ++i) rows[i] = row + i;
-    warp_dot_rows<R, 8 / R, false>(jobs.W[j], jobs.W[j], zero, rows, xs, v, nullptr);
-    if (lane < R) {
-      float vl = v[0];
-#pragma unroll
-      for (int i = 1; i < R; ++i) vl = lane == i ? v[i] : vl;
-      float* o = jobs.out[j] + row + lane;
-      *o = jobs.accumulate ? *o + vl : vl;
-    }
-    return;
-  }
-  // a tail: the rows left in this job, then those of the jobs after it
-  for (int r = r0; r < r0 + R && r < jobs.first[jobs.n]; ++r) {
-    while (r >= jobs.first[j + 1]) ++j;
-    const int rr = r - jobs.first[j];
-    float v;
-    warp_dot_rows<1, 8, false>(jobs.W[j], jobs.W[j], zero, &rr, xs, &v, nullptr);
-    if (lane == 0) {
-      float* o = jobs.out[j] + rr;
-      *o = jobs.accumulate ? *o + v : v;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) xn_out[c] = xs[padded(c)];
+  for (; g < groups; g += stride) {
+    const int j = job_of(g * R), row = g * R - first[j];
+    if (kStreamed) {
+      if (g + stride < groups) load(next, g + stride);
+      float acc[1][R] = {}, v;
+      cur.dot(xs, cols, 0, acc);
+      warp_reduce_rows<R, 1>(acc, &v);
+      if (lane < R) store(j, row + lane, v);
+      cur = next;
+    } else {
+      with_job(jobs, j, [&](const LinDev& W) {
+        float v;
+        warp_dot_rows<1, U, 1>(W, W, 0, row, W.rows, xs, &v);
+        if (lane == 0) store(j, row, v);
+      });
     }
   }
 }
@@ -769,60 +827,36 @@ __global__ void gdn_gated_norm_kernel(float* mix, int ldmix, const float* z, con
 
 // ---------------------------------------------------------------- MoE
 
-// Router softmax over E logits, top-k (ties to the lower id, as the reference), renormalised weights, by one
-// warp; `l` holds the row's E logits in shared memory (overwritten: K rounds of a warp argmax, each taken
-// logit then set to -inf). Lane k < K returns the k-th id and weight.
-__device__ __forceinline__ void warp_topk(const float* logits, float* l, int E, int K, int& id, float& weight) {
-  const int lane = threadIdx.x & 31;
-  float mx = -INFINITY;
-  for (int e0 = lane; e0 < E; e0 += 8 * 32) {  // eight loads in flight a lane
-    float v[8];
-#pragma unroll
-    for (int b = 0; b < 8; ++b) v[b] = e0 + 32 * b < E ? logits[e0 + 32 * b] : -INFINITY;
-#pragma unroll
-    for (int b = 0; b < 8; ++b)
-      if (e0 + 32 * b < E) mx = fmaxf(mx, l[e0 + 32 * b] = v[b]);
+// Router top-k of E logits (ties to the lower id, as the reference) and the softmax weights renormalised over
+// the K taken (the full softmax's denominator cancels), by the whole block at once: thread t ranks logit t by
+// counting the logits above it, and the K of rank < K write themselves into place — one pass over the logits
+// in shared memory instead of K dependent rounds of a warp argmax. `l` holds E floats of shared memory; the
+// route lands in ids[K] / weights[K] (shared or global), visible to the block on return.
+__device__ __forceinline__ void block_topk(const float* logits, float* l, int E, int K, int* ids, float* weights) {
+  __shared__ float top[kMaxTopK];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) l[e] = logits[e];
+  if (threadIdx.x < K) ids[threadIdx.x] = threadIdx.x, top[threadIdx.x] = l[threadIdx.x];  // NaN logits: a valid id
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float v = l[e];
+    int rank = 0;
+    for (int o = 0; o < E; ++o) rank += l[o] > v || (l[o] == v && o < e);
+    if (rank < K) ids[rank] = e, top[rank] = v;
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0.f;
-  for (int e = lane; e < E; e += 32) sum += expf(l[e] - mx);
-  sum = warp_sum(sum);
-  __syncwarp();
-  float mine = 0.f, top = 0.f;
-  int mine_id = 0;
-  for (int k = 0; k < K; ++k) {
-    float best = -INFINITY;
-    int bi = 1 << 30;
-    for (int e = lane; e < E; e += 32)
-      if (l[e] > best) best = l[e], bi = e;  // e grows: the first maximum of this lane's share
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
-    }
-    const float pw = expf(best - mx) / sum;
-    top += pw;
-    if (lane == k) mine = pw, mine_id = bi;
-    __syncwarp();
-    if (lane == 0) l[bi] = -INFINITY;
-    __syncwarp();
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const float w = lane < K ? expf(top[lane] - top[0]) : 0.f, sum = warp_sum(w);
+    if (lane < K) weights[lane] = w / sum;
   }
-  id = mine_id;
-  weight = mine / top;
+  __syncthreads();
 }
 
-// The routes of T rows (prefill), one warp per row.
-__global__ void topk_kernel(const float* logits, int E, int K, int T, int32_t* ids, float* weights) {
-  extern __shared__ float rows[];
-  const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int t = blockIdx.x * (blockDim.x >> 5) + wi;
-  if (t >= T) return;
-  int id;
-  float w;
-  warp_topk(logits + int64_t(t) * E, rows + wi * E, E, K, id, w);
-  if (lane < K) ids[int64_t(t) * K + lane] = id, weights[int64_t(t) * K + lane] = w;
+// The routes of T rows (prefill), a block per row.
+__global__ void topk_kernel(const float* logits, int E, int K, int32_t* ids, float* weights) {
+  extern __shared__ float row[];
+  block_topk(logits + int64_t(blockIdx.x) * E, row, E, K, ids + int64_t(blockIdx.x) * K,
+             weights + int64_t(blockIdx.x) * K);
 }
 
 // Assignment slots s = t·K + j grouped by expert: counts, offsets (exclusive scan), perm[position] = slot and
@@ -865,57 +899,62 @@ __global__ void moe_combine_kernel(float* x, const float* Y, const float* SY, co
   }
 }
 
-// Decode: the route (top-k of the router logits, recomputed by warp 0 of every block: cheaper than a kernel of
-// its own between the router GEMV and this one; block 0 stores it for moe_down_kernel, and every block
-// prefetches a share of its slot's down projection into L2 for that kernel), then
-// h_j ← SiLU(gate_e · xn) ⊙ (up_e · xn) for the K routed experts e = ids[j] (blockIdx.y = j) and the shared
-// expert (blockIdx.y = K); R rows of gate and up per warp.
-constexpr int kMaxTopK = 32;
-template <int R>
+// Decode: the route (top-k of the router logits, recomputed by every block: cheaper than a kernel of its own
+// between the router GEMV and this one; block 0 stores it for moe_down_kernel, and every block prefetches a
+// share of each slot's down projection into L2 for that kernel), then h_s ← SiLU(gate_e · xn) ⊙ (up_e · xn)
+// for the K routed experts e = ids[s] and the shared expert (slot K). The (slot, row) items are walked by the
+// warps as gemv_kernel walks rows: a row's gate and up loads (U rounds of 1,024 columns) issued before the
+// previous row is computed.
+template <int U, bool kStreamed>
 __global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_gate_up_kernel(LinDev gate, LinDev up, LinDev sgate,
-                                                                       LinDev sup, LinDev down, LinDev sdown,
-                                                                       const float* xn, int H,
-                                                                       const float* router, int E, int K,
-                                                                       int32_t* ids, float* weights, float* h,
-                                                                       int ldh) {
+                                                                          LinDev sup, LinDev down, LinDev sdown,
+                                                                          const float* xn, int H,
+                                                                          const float* router, int E, int K,
+                                                                          int32_t* ids, float* weights, float* h,
+                                                                          int ldh) {
   extern __shared__ float xs[];  // the staged xn, then E floats for the top-k
   __shared__ int route[kMaxTopK];
-  const int slot = blockIdx.y, lane = threadIdx.x & 31;
-  const bool shared = slot == K;
-  const int lo = blockIdx.x * kGemvWarps * R, hi = lo + kGemvWarps * R;
+  __shared__ float route_w[kMaxTopK];
+  const int lane = threadIdx.x & 31, items = (K + 1) * ldh, stride = gridDim.x * kGemvWarps;
   start_next_kernel();
-  if (shared && threadIdx.x == 0) prefetch_rows(sgate, 0, lo, min(hi, sgate.rows));
-  if (shared && threadIdx.x == 32) prefetch_rows(sup, 0, lo, min(hi, sup.rows));
   wait_previous_kernel();
   stage(xn, H, xs);
-  if (threadIdx.x < 32) {
-    int id;
-    float w;
-    warp_topk(router, xs + padded_floats(H), E, K, id, w);
-    if (lane < K) {
-      route[lane] = id;
-      if (blockIdx.x == 0 && blockIdx.y == 0) ids[lane] = id, weights[lane] = w;
-    }
-  }
-  __syncthreads();
-  const int e = shared ? 0 : route[slot];
-  if (threadIdx.x == 0) {  // a share of this slot's down projection (H rows) into L2, for moe_down_kernel
+  block_topk(router, xs + padded_floats(H), E, K, route, route_w);
+  if (blockIdx.x == 0 && threadIdx.x < K) ids[threadIdx.x] = route[threadIdx.x], weights[threadIdx.x] = route_w[threadIdx.x];
+  if (threadIdx.x <= K) {  // this block's share of slot threadIdx.x's down projection (H rows) into L2
     const int per = (down.rows + gridDim.x - 1) / gridDim.x, r0 = blockIdx.x * per;
-    if (shared) prefetch_rows(sdown, 0, r0, min(r0 + per, sdown.rows));  // (a branch: a reference chosen
-    else prefetch_rows(down, e, r0, min(r0 + per, down.rows));           // between two parameters spills)
+    if (threadIdx.x == K) prefetch_rows(sdown, 0, r0, min(r0 + per, sdown.rows));
+    else prefetch_rows(down, route[threadIdx.x], r0, min(r0 + per, down.rows));
   }
-  const int r0 = (blockIdx.x * kGemvWarps + (threadIdx.x >> 5)) * R;
-  const int rows_of = shared ? sgate.rows : gate.rows;
-  if (r0 >= rows_of) return;
-  int es[R], rows[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) es[i] = e, rows[i] = min(r0 + i, rows_of - 1);
-  float g[R], u[R];
-  if (shared) warp_dot_rows<R, 2, true>(sgate, sup, es, rows, xs, g, u);
-  else warp_dot_rows<R, 2, true>(gate, up, es, rows, xs, g, u);
-#pragma unroll
-  for (int i = 0; i < R; ++i)
-    if (lane == i && r0 + i < rows_of) h[slot * ldh + r0 + i] = siluf_(g[i]) * u[i];
+  // item i = (slot i / ldh, row i % ldh); the shared expert's matrices for slot K (a branch on the slot: a
+  // reference chosen between two kernel parameters would copy both to local memory)
+  Q4Rows<1, U, 2> cur, next;
+  auto load = [&](Q4Rows<1, U, 2>& q, int i) {
+    const int slot = i / ldh, r = i % ldh;
+    if (slot == K) {
+      if (r < sgate.rows) q.load(sgate, sup, 0, r, sgate.rows, 0);
+    } else if (r < gate.rows) {
+      q.load(gate, up, route[slot], r, gate.rows, 0);
+    }
+  };
+  int it = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  if (kStreamed && it < items) load(cur, it);
+  for (; it < items; it += stride) {
+    const int slot = it / ldh, r = it % ldh;
+    float gu[2];
+    if (kStreamed) {
+      if (it + stride < items) load(next, it + stride);
+      float acc[2][1] = {};
+      cur.dot(xs, H, 0, acc);
+      warp_reduce_rows<1, 2>(acc, gu);
+      cur = next;
+    } else if (slot == K) {
+      if (r < sgate.rows) warp_dot_rows<1, U, 2>(sgate, sup, 0, r, sgate.rows, xs, gu);
+    } else if (r < gate.rows) {
+      warp_dot_rows<1, U, 2>(gate, up, route[slot], r, gate.rows, xs, gu);
+    }
+    if (lane == 0 && r < (slot == K ? sgate.rows : gate.rows)) h[slot * ldh + r] = siluf_(gu[0]) * gu[1];
+  }
 }
 
 // Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]; one warp per row, its
