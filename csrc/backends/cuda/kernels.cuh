@@ -382,12 +382,12 @@ struct GemvShape {
   int R, U, blocks;
   bool streamed;
 };
-inline GemvShape gemv_shape(const GemvJobs& jobs, int sms) {
+inline GemvShape gemv_shape(const GemvJobs& jobs, int max_blocks) {
   const int cols = jobs.W[0].cols, U = cols <= 1024 ? 1 : cols <= 2048 ? 2 : 4;
   bool streamed = cols <= 1024 * U;
   for (int j = 0; j < jobs.n; ++j) streamed = streamed && jobs.W[j].bits == 4 && jobs.W[j].rows % (4 / U) == 0;
   const int R = streamed ? 4 / U : 1, groups = jobs.first[jobs.n] / R;
-  return {R, U, std::min((groups + kGemvWarps - 1) / kGemvWarps, 2 * sms), streamed};
+  return {R, U, std::min((groups + kGemvWarps - 1) / kGemvWarps, max_blocks), streamed};
 }
 
 // f(W) for job j, with the job's parameters at fixed offsets (a runtime index into a kernel parameter array
@@ -957,11 +957,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_gate_up_kernel(LinDev 
   }
 }
 
-// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]; one warp per row, its
-// lanes over the (expert, 32-column chunk) pairs four loads at a time, the weighted sum reduced once.
-__global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, LinDev sdown, const float* h, int ldh,
-                                                                    const int32_t* ids, const float* w,
-                                                                    const float* sg, int K, float* x) {
+// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]. A warp per row, its
+// lanes over the (expert, 32-column chunk) pairs of the row, CH a lane; the warps walk the rows as gemv_kernel
+// does, each issuing its next row's loads (already in L2: moe_gate_up_kernel prefetched them) before it
+// computes the current one. CH = 0: other formats or wider rows, a row at a time through warp_dot_row.
+template <int CH>
+__global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_down_kernel(LinDev down, LinDev sdown, const float* h,
+                                                                       int ldh, const int32_t* ids, const float* w,
+                                                                       const float* sg, int K, float* x) {
   extern __shared__ float hs[];  // [(K + 1) · ldh] h (padded), then the K routing weights and expert ids
   float* ws = hs + padded_floats((K + 1) * ldh);
   int* es = reinterpret_cast<int*>(ws + K);
@@ -970,38 +973,42 @@ __global__ void __launch_bounds__(kGemvWarps * 32) moe_down_kernel(LinDev down, 
   stage(h, (K + 1) * ldh, hs);
   if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
   __syncthreads();
-  const int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (r >= down.rows) return;
+  const int lane = threadIdx.x & 31, stride = gridDim.x * kGemvWarps;
   const float shared_w = sigmoidf_(*sg);
-  float acc = 0.f;
-  if (down.bits == 4 && sdown.bits == 4 && down.cols == sdown.cols) {
-    const int n = down.cols / 32, items = (K + 1) * n;
-    for (int it0 = lane; it0 < items; it0 += 4 * 32) {
-      Q4Chunk c[4];
+  const int n = down.cols / 32, items = (K + 1) * n;
+  Q4Chunk cur[CH > 0 ? CH : 1], next[CH > 0 ? CH : 1];
+  auto load = [&](Q4Chunk* c, int r) {
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int it = min(it0 + 32 * b, items - 1), j = it / n, c0 = (it % n) * 32;
-        c[b] = j < K ? load_q4(down, es[j], r, c0) : load_q4(sdown, 0, r, c0);
-      }
+    for (int b = 0; b < CH; ++b) {
+      const int it = lane + 32 * b, j = it / n, c0 = (it % n) * 32;
+      if (it < items) c[b] = j < K ? load_q4(down, es[j], r, c0) : load_q4(sdown, 0, r, c0);
+    }
+  };
+  int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  if (CH > 0 && r < down.rows) load(cur, r);
+  for (; r < down.rows; r += stride) {
+    float acc = 0.f;
+    if (CH > 0) {
+      if (r + stride < down.rows) load(next, r + stride);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int it = it0 + 32 * b;
+      for (int b = 0; b < CH; ++b) {
+        const int it = lane + 32 * b, j = it / n, c0 = (it % n) * 32;
         if (it >= items) break;
-        const int j = it / n, c0 = (it % n) * 32;
         float hv[32];
         load_chunk(hs, j * ldh + c0, hv);
         float hsum = 0.f;
 #pragma unroll
         for (int k = 0; k < 32; ++k) hsum += hv[k];
-        acc += (j < K ? ws[j] : shared_w) * dot_q4(c[b], hv, hsum, 0.f);
+        acc += (j < K ? ws[j] : shared_w) * dot_q4(cur[b], hv, hsum, 0.f);
+        cur[b] = next[b];
       }
+      acc = warp_sum(acc);
+    } else {
+      for (int j = 0; j < K; ++j) acc += ws[j] * warp_dot_row(down, es[j], r, hs + padded(j * ldh));
+      acc += shared_w * warp_dot_row(sdown, 0, r, hs + padded(K * ldh));
     }
-    acc = warp_sum(acc);
-  } else {
-    for (int j = 0; j < K; ++j) acc += ws[j] * warp_dot_row(down, es[j], r, hs + padded(j * ldh));
-    acc += shared_w * warp_dot_row(sdown, 0, r, hs + padded(K * ldh));
+    if (lane == 0) x[r] += acc;
   }
-  if (lane == 0) x[r] += acc;
 }
 
 // ---------------------------------------------------------------- token selection
