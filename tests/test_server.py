@@ -7,7 +7,7 @@ The model is synthetic:tiny (random weights, the real special tokens and a Qwen-
 reference backend. Its output is noise, so tests that need a particular output (a tool call, reasoning, a stop
 string) script the generated tokens: `CoreProxy` stands in for the engine's C++ core and can replace the sampled
 tokens by a script while prefill and every decode step still run on the real core; it also counts decode steps
-and prompt tokens fed, and can slow each step down."""
+and prompt tokens fed, can slow each step down, and can make a request's generation fail (`CoreProxy.fail`)."""
 from __future__ import annotations
 
 import argparse
@@ -45,12 +45,19 @@ class _Choice:
 class _Counted:
     def __init__(self, proxy, gen):
         self.proxy, self.gen = proxy, gen
+        self.calls = 0
 
     def next(self):
         self.proxy.steps += 1
+        self.calls += 1
+        self.proxy.fault("first token" if self.calls == 1 else "mid-stream" if self.calls == 3 else "")
         if self.proxy.delay:
             time.sleep(self.proxy.delay)
         return self.gen.next()
+
+    def close(self):
+        self.gen.close()
+        self.proxy.fault("close")
 
     def __getattr__(self, name):
         return getattr(self.gen, name)
@@ -104,11 +111,19 @@ class CoreProxy:
         self.script = None      # token ids to emit instead of sampling
         self.no_stop = False
         self.cancels = []       # the CancelFlag each prefill was given
+        self.fail = None        # where a generation raises: "prefill", "first token", "mid-stream" or "close"
+        self.closes_failed = 0
+
+    def fault(self, where: str) -> None:
+        if where and where == self.fail:
+            self.closes_failed += where == "close"
+            raise RuntimeError(f"injected failure ({where})")
 
     def __getattr__(self, name):
         return getattr(self._real, name)
 
     def feed(self, session, ids, chunk=0, cancel=None, logits=True):
+        self.fault("prefill")
         self.fed += len(ids)
         self.cancels.append(cancel)
         return self._real.feed(session, ids, chunk, cancel, logits)
@@ -126,7 +141,7 @@ class CoreProxy:
     def reset(self):
         self.steps = self.fed = 0
         self.cancels = []
-        self.delay, self.script, self.no_stop = 0.0, None, False
+        self.delay, self.script, self.no_stop, self.fail, self.closes_failed = 0.0, None, False, None, 0
 
 
 class LiveServer:
@@ -142,10 +157,7 @@ class LiveServer:
                                                     timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        t0 = time.time()
-        while not self.server.started:
-            assert time.time() - t0 < 20, "server did not start"
-            time.sleep(0.01)
+        wait_for(lambda: self.server.started, "the server to start", 20)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
@@ -182,6 +194,14 @@ def live(engine):
 @pytest.fixture
 def client(live, core):
     return live.client()
+
+
+def wait_for(condition, what: str, timeout: float = 10.0) -> None:
+    """Polls `condition` until it holds; fails naming `what` after `timeout` seconds (a test never waits forever)."""
+    t0 = time.time()
+    while not condition():
+        assert time.time() - t0 < timeout, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.005)
 
 
 def script(engine, text: str, end: bool = True) -> list[int]:
@@ -232,9 +252,8 @@ def test_chat_nonstreaming_and_streaming_agree(client, caplog):
     kw = dict(model=MODEL, messages=USER, max_tokens=12, temperature=0)
     with caplog.at_level(logging.INFO, logger="lily.server.access"):
         full = client.chat.completions.create(**kw)
-        t0 = time.time()  # the line is written once the response is sent: wait for it
-        while not [r for r in caplog.records if r.name == "lily.server.access"] and time.time() - t0 < 5:
-            time.sleep(0.01)
+        # the line is written once the response is sent: wait for it
+        wait_for(lambda: [r for r in caplog.records if r.name == "lily.server.access"], "the access log line")
     (line,) = [r.getMessage() for r in caplog.records if r.name == "lily.server.access"]
     assert '"POST /v1/chat/completions" 200' in line and "total=" in line and "ttft_ms=" in line, line
     c = full.choices[0]
@@ -462,12 +481,10 @@ def test_queue_fifo_and_429(engine, core):
     try:
         a = threading.Thread(target=run, args=("a",))
         a.start()
-        while core.steps == 0:
-            time.sleep(0.005)
+        wait_for(lambda: core.steps > 0, "request a to start decoding")
         b = threading.Thread(target=run, args=("b",))
         b.start()
-        while s.health()["queue"]["inflight"] < 2:
-            time.sleep(0.005)
+        wait_for(lambda: s.health()["queue"]["inflight"] >= 2, "request b to be queued")
         c = httpx.post(s.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 15})
         assert c.status_code == 429 and int(c.headers["retry-after"]) >= 1
         assert c.json()["error"]["type"] == "rate_limit_error"
@@ -492,9 +509,7 @@ def test_disconnect_cancels_generation(live, core):
             for _ in range(6):
                 next(lines)
     # The engine stops within a decode step of the server noticing; wait for it to settle.
-    t0 = time.time()
-    while live.health()["queue"]["inflight"] and time.time() - t0 < 5:
-        time.sleep(0.01)
+    wait_for(lambda: live.health()["queue"]["inflight"] == 0, "the cancelled request to end")
     settled = core.steps
     time.sleep(0.2)
     assert core.steps == settled and settled < 100, settled
@@ -502,9 +517,7 @@ def test_disconnect_cancels_generation(live, core):
     core.steps = 0
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live.url + "/v1/chat/completions", timeout=0.3, json={**body, "stream": False})
-    t0 = time.time()
-    while live.health()["queue"]["inflight"] and time.time() - t0 < 5:
-        time.sleep(0.01)
+    wait_for(lambda: live.health()["queue"]["inflight"] == 0, "the cancelled request to end")
     assert core.steps < 100, core.steps
     assert live.health()["stats"]["cancelled"] >= 2
     # Each prefill was handed the request's CancelFlag (set on the disconnect: the engine stops between chunks).
@@ -513,6 +526,60 @@ def test_disconnect_cancels_generation(live, core):
     core.reset()
     r = httpx.post(live.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+# ------------------------------------------------------------------------------------------------ failures
+def _sse_events(r: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+
+
+def _serves_next_request(live) -> None:
+    """The worker is free and serves a normal request after a failed one."""
+    wait_for(lambda: live.health()["queue"]["inflight"] == 0, "the failed request to leave the queue")
+    ok = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                    json={"model": MODEL, "messages": USER, "max_tokens": 3})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["finish_reason"] == "length" and ok.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("fault", ["prefill", "first token", "mid-stream"])
+def test_failed_generation_answers_an_error_and_the_next_request_runs(live, core, fault, stream):
+    core.fail = fault
+    fresh = [{"role": "user", "content": f"Nobody asked this before ({fault}, {stream}): it is prefilled."}]
+    errors_before = live.health()["stats"]["errors"]
+    r = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": fresh, "max_tokens": 8, "stream": stream})
+    if stream:  # the response started before the failure: an error event, then the stream closes
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r)
+        assert events[-1] == "[DONE]", events
+        err = json.loads(events[-2])["error"]
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert not [c for c in chunks if c["choices"][0]["finish_reason"]]  # it did not end as if complete
+    else:
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert live.health()["stats"]["errors"] == errors_before + 1
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+    assert f"injected failure ({fault})" in err["message"], err
+    assert core.steps == {"prefill": 0, "first token": 1, "mid-stream": 3}[fault]
+    core.fail = None
+    _serves_next_request(live)
+
+
+def test_generation_that_fails_to_close_does_not_block_the_server(live, core):
+    # A client that gives up ends its generation early; if closing it raises, the request must still end
+    # (it held the engine: every later request would wait behind it).
+    core.delay, core.no_stop, core.fail = 0.01, True, "close"
+    body = {"model": MODEL, "messages": USER, "max_tokens": 400}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/chat/completions", timeout=0.3, json=body)
+    wait_for(lambda: live.health()["queue"]["inflight"] == 0, "the abandoned request to end")
+    assert core.closes_failed == 1  # the failure did happen (not a generation that ended before the client left)
+    core.reset()
+    _serves_next_request(live)
 
 
 # ------------------------------------------------------------------------------------------------ prefix reuse

@@ -223,11 +223,7 @@ void init_engine(nb::module_& m) {
   nb::exception<Cancelled>(m, "Cancelled", PyExc_RuntimeError);
 
   nb::class_<Generation>(m, "Generation")
-      .def("next",
-           [](Generation& g) {
-             nb::gil_scoped_release nogil;
-             return g.next();
-           })
+      .def("next", &Generation::next, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("done", &Generation::done)
       .def_prop_ro("finish_reason", [](const Generation& g) { return std::string(g.finish_reason()); })
       .def_prop_ro("generated", &Generation::generated)

@@ -103,10 +103,10 @@ class TraceEncoder final : public Encoder {
  public:
   std::vector<std::string> events;
   uint32_t static_bytes = 0;  // every kernel's static threadgroup memory, as a pipeline would report it
-  uint32_t static_threadgroup_bytes(KernelId) const override { return static_bytes; }
+  uint32_t static_threadgroup_bytes(gpu::KernelIndex) const override { return static_bytes; }
 
  protected:
-  void do_dispatch(KernelId kernel, Grid, Grid, const void*, size_t, const std::vector<Binding>&, uint32_t) override {
+  void do_dispatch(gpu::KernelIndex, Grid, Grid, const void*, size_t, const std::vector<Binding>&, uint32_t) override {
     events.push_back("dispatch");
   }
   void do_barrier() override { events.push_back("barrier"); }

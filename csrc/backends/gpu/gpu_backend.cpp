@@ -1,6 +1,7 @@
 // GpuBackend (gpu_backend.h): the session state, token slots, command buffers in flight and counters that
 // every GPU backend shares. Previous hop: csrc/schedule/schedule.cpp calls the Backend ops; the model's ops
-// are the derived backend's (backends/metal/metal_backend.cpp), which records them through recording().
+// are the derived backend's (backends/metal: MetalBackend, each op in its family's file), which records them
+// through recording().
 // One command buffer per prefill chunk or decode step; no CPU wait inside one (counters: cpu_waits_in_step).
 #include "gpu_backend.h"
 

@@ -1,13 +1,13 @@
-// The attention family's encoders (metal/attn.metal): the fused q/k norm + RoPE + KV-cache write, causal
-// prefill attention over the cache, and GQA-packed decode attention with its long-context fixed-block
-// (split-KV) path. Previous hop: the Metal backend glue (and csrc/bindings/kernels_attn.cpp in tests);
-// next hop: Encoder::dispatch.
+// The attention family (metal/attn.metal): the fused q/k norm + RoPE + KV-cache write, causal prefill attention
+// over the cache, and GQA-packed decode attention with its long-context fixed-block (split-KV) path — the
+// encoders, and MetalBackend's attn_* ops. Previous hop: the schedule (csrc/schedule/schedule.cpp; tests:
+// csrc/bindings/kernels_attn.cpp); next hop: Encoder::dispatch.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-#include "encoders.h"
+#include "metal_backend.h"
 
 namespace lily::metal {
 
@@ -217,6 +217,30 @@ void encode_attn_decode(Encoder& enc, AttnScratch& s, const AttnDevice& A, View 
   enc.dispatch(KernelId::attn_decode_merge_bf16, Grid{uint32_t(A.n_q), 1, 1}, Grid{uint32_t(d), 1, 1}, args,
                {bg, bo, {ATTN_PART_O, s.part_o.get(), 0, Access::read, po_bytes},
                 {ATTN_PART_ML, s.part_ml.get(), 0, Access::read, ml_bytes}});
+}
+
+// ---------------------------------------------------------------- MetalBackend's attention ops (metal_backend.h)
+
+void MetalBackend::attn_prepare(int layer, int T, int64_t pos) {
+  encode_attn_prepare(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), view(Act::k), view(Act::v), T, pos,
+                      k_cache(layer), v_cache(layer), kv_capacity());
+}
+
+void MetalBackend::attn_prefill(int layer, int T, int64_t pos) {
+  encode_attn_prefill(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), T, pos, k_cache(layer), v_cache(layer),
+                      kv_capacity(), view(Act::mix), opt_.gqa_pack ? 0 : 1);
+}
+
+void MetalBackend::attn_prepare_decode(int layer, int64_t pos) {
+  attend_one_row(layer, pos, AttnPrepareInputs{view(Act::k), view(Act::v)});
+}
+
+void MetalBackend::attn_decode(int layer, int64_t pos) { attend_one_row(layer, pos, {}); }
+
+// Decode attention of one row; with prep set, the q/k preparation and KV-row write happen inside.
+void MetalBackend::attend_one_row(int layer, int64_t pos, AttnPrepareInputs prep) {
+  encode_attn_decode(enc(), *attn_scratch_, attn_[layer], view(Act::q_gate), pos, k_cache(layer), v_cache(layer),
+                     kv_capacity(), view(Act::mix), AttnDecodePath(opt_.attn_path), 0, opt_.gqa_pack ? 0 : 1, prep);
 }
 
 }  // namespace lily::metal

@@ -1,11 +1,12 @@
-// The common family's encoders (metal/common.metal): embedding rows into the residual stream, RMSNorm to
-// bf16, and greedy token selection into the next step's input slot. Previous hop: the Metal backend glue
-// (and csrc/bindings/kernels_common.cpp in tests); next hop: Encoder::dispatch.
+// The common family (metal/common.metal): embedding rows into the residual stream, RMSNorm to bf16, greedy token
+// selection into the next step's input slot, device row copies — the encoders, and MetalBackend's rmsnorm and
+// its encode_embed / encode_copy_rows hooks. Previous hop: the schedule and GpuBackend (tests:
+// csrc/bindings/kernels_common.cpp); next hop: Encoder::dispatch.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include "encoders.h"
+#include "metal_backend.h"
 
 namespace lily::metal {
 
@@ -74,6 +75,26 @@ void encode_copy_rows(Encoder& enc, View src, View dst, int rows, uint64_t row_b
   enc.dispatch(KernelId::copy_rows, groups, Grid{uint32_t(LILY_COPY_THREADS), 1, 1}, args,
                {{LILY_COPY_SRC, src.buffer, src.offset, Access::read, uint64_t(rows - 1) * src_stride + row_bytes},
                 {LILY_COPY_DST, dst.buffer, dst.offset, Access::write, uint64_t(rows - 1) * dst_stride + row_bytes}});
+}
+
+// ---------------------------------------------------------------- MetalBackend's rmsnorm, embedding and KV copy hooks, norm weights (metal_backend.h)
+
+const DeviceVec& MetalBackend::vec_of(const Vec& v) const {
+  auto it = vecs_.find(&v);
+  if (it == vecs_.end()) throw std::logic_error(tag() + " '" + v.name + "' is not a norm weight of the model");
+  return it->second;
+}
+
+void MetalBackend::rmsnorm(Act in, Act out, const Vec& w, int T) {
+  if (in != Act::x) throw std::invalid_argument((tag() + " rmsnorm reads the f32 residual x, not ") + act_name(in));
+  encode_rmsnorm(enc(), view(in), vec_of(w), view(out), T, c_.hidden, c_.rms_eps);
+}
+
+void MetalBackend::encode_embed(View ids, int T) { lily::metal::encode_embed(enc(), embed_, ids, view(Act::x), T); }
+
+void MetalBackend::encode_copy_rows(View src, View dst, int rows, uint64_t row_bytes, uint64_t src_stride,
+                                    uint64_t dst_stride) {
+  lily::metal::encode_copy_rows(enc(), src, dst, rows, row_bytes, src_stride, dst_stride);
 }
 
 }  // namespace lily::metal

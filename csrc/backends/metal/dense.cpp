@@ -1,6 +1,7 @@
-// The dense family's encoder (metal/qgemv.metal, metal/qgemm.metal): y = W x for the attention, DeltaNet and
-// lm_head projections. Previous hop: the Metal backend glue (and csrc/bindings/kernels_dense.cpp in tests);
-// next hop: Encoder::dispatch.
+// The dense family (metal/qgemv.metal, metal/qgemm.metal): y = W x for the attention, DeltaNet and lm_head
+// projections — the encoders, and MetalBackend's project / lm_head (with the device matrices they look up and
+// the dequant ablation) that record them. Previous hop: the schedule (csrc/schedule/schedule.cpp; tests:
+// csrc/bindings/kernels_dense.cpp); next hop: Encoder::dispatch.
 //
 // The rule: T == 1 runs the row-parallel GEMV, T > 1 the tiled GEMM. Decode (one row) reuses no weight, so
 // its cost is the bytes of W and the GEMV reads each exactly once with all lanes streaming; with two or more
@@ -15,7 +16,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "encoders.h"
+#include "metal_backend.h"
 
 namespace lily::metal {
 
@@ -133,6 +134,64 @@ DeviceMatrix encode_dequant(Encoder& enc, const DeviceMatrix& W, View scratch) {
                Grid{uint32_t(LILY_DEQUANT_THREADS), 1, 1}, args,
                {m.w, m.s, m.b, {LILY_DENSE_OUT, scratch.buffer, scratch.offset, Access::write, B.matrix_bytes}});
   return B;
+}
+
+// ---------------------------------------------------------------- MetalBackend's projections, lm_head and the dequant ablation (metal_backend.h)
+
+const DeviceMatrix& MetalBackend::matrix_of(const Linear& L) const {
+  auto it = matrices_.find(&L);
+  if (it == matrices_.end()) throw std::logic_error(tag() + " '" + L.name + "' is not a weight matrix of the model");
+  return it->second;
+}
+
+void MetalBackend::project(Act in, Act out, const Linear& W, int T, bool accumulate) {
+  check_rows(T, W.name.c_str());
+  const bool f32 = out == Act::x || out == Act::logits;
+  if (accumulate && !f32) throw std::invalid_argument(tag() + " accumulate into bf16 " + std::string(act_name(out)));
+  const DeviceMatrix* src = &matrix_of(W);
+  DeviceMatrix M = *src;
+  decode_matrices(&src, 1, &M);
+  encode_project(enc(), M, view(in), view(out), T, f32 ? (accumulate ? OutMode::f32_add : OutMode::f32) : OutMode::bf16);
+}
+
+void MetalBackend::lm_head(int first, int rows) {
+  const View logits = logits_rows(rows);
+  const DeviceMatrix head = lm_head_matrix();
+  encode_rmsnorm(enc(), view(Act::x).at(uint64_t(first) * c_.hidden * 4), norm_, view(Act::xn), rows, c_.hidden,
+                 c_.rms_eps);
+  encode_project(enc(), head, view(Act::xn), logits, rows, OutMode::f32);
+}
+
+DeviceMatrix MetalBackend::lm_head_matrix() {
+  const DeviceMatrix* src = &lm_head_;
+  DeviceMatrix head = lm_head_;
+  decode_matrices(&src, 1, &head);
+  return head;
+}
+
+// Bytes of W's bf16 copy in the dequant scratch (256-byte aligned), 0 when the GEMV reads W as it is.
+uint64_t MetalBackend::dequant_bytes(const DeviceMatrix& W) const {
+  if (phase() != Phase::decode || fusions().dequant || W.format == LILY_W_BF16) return 0;
+  return (uint64_t(W.rows) * W.cols * 2 + 255) / 256 * 256;
+}
+
+// The n matrices one decode dispatch reads: each W itself, or (Fusions::dequant off) its bf16 copy, dequantised
+// now; the copies sit side by side in the scratch, so their dequant passes share a stage. The scratch is
+// Role::activations: a per-step intermediate written and read back, not the checkpoint's stored weights,
+// so the weights role keeps meaning "checkpoint bytes read" and the copy's traffic shows as activations.
+void MetalBackend::decode_matrices(const DeviceMatrix* const* W, int n, DeviceMatrix* out) {
+  uint64_t total = 0;
+  for (int i = 0; i < n; ++i) total += dequant_bytes(*W[i]);
+  if (total && (!dequant_ || dequant_->size < total)) {
+    if (dequant_) retire(std::move(dequant_));  // the command buffer may still read it
+    dequant_ = dev_.alloc(total, Role::activations, "dequant");
+  }
+  uint64_t at = 0;
+  for (int i = 0; i < n; ++i) {
+    const uint64_t bytes = dequant_bytes(*W[i]);
+    out[i] = bytes ? encode_dequant(enc(), *W[i], {dequant_.get(), at}) : *W[i];
+    at += bytes;
+  }
 }
 
 }  // namespace lily::metal

@@ -1,7 +1,7 @@
 // The Metal flavour of the GPU Device interface (backends/gpu/device.h): kernels named by KernelId (one per
 // metal/kernels.def row), and the device's Metal capabilities. Two implementations: device_metal.mm (Apple's
 // Metal; the only Apple-only file) and device_emu.cpp (the same .metal sources run by csrc/mslemu).
-// Everything above this header (encoders, the backend's op glue) is portable C++ that CI runs.
+// Everything above this header (the family files' encoders and ops) is portable C++ that CI runs.
 #pragma once
 #include <memory>
 #include <string>
@@ -23,26 +23,11 @@ using gpu::View;
 using gpu::role_name;
 static_assert(size_t(KernelId::count) <= gpu::kMaxKernels, "kernels.def has more rows than gpu::kMaxKernels");
 
-// The device's encoder, with the kernel as a KernelId.
+// The device's encoder. Its devices implement gpu::Encoder's do_dispatch, max_threads and
+// static_threadgroup_bytes themselves: a gpu::KernelIndex is a KernelId's row.
 class Encoder : public gpu::Encoder {
  public:
-  using gpu::Encoder::max_threads;
-  virtual uint32_t max_threads(KernelId) const { return 1024; }
-  // A Metal pipeline's staticThreadgroupMemoryLength (0 where the device cannot tell before running it).
-  virtual uint32_t static_threadgroup_bytes(KernelId) const { return 0; }
   const char* kernel_label(gpu::KernelIndex k) const final { return kernel_name(KernelId(k)); }
-
- protected:
-  virtual void do_dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
-                           const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) = 0;
-
- private:
-  uint32_t max_threads(gpu::KernelIndex k) const final { return max_threads(KernelId(k)); }
-  uint32_t static_threadgroup_bytes(gpu::KernelIndex k) const final { return static_threadgroup_bytes(KernelId(k)); }
-  void do_dispatch(gpu::KernelIndex kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
-                   const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) final {
-    do_dispatch(KernelId(kernel), threadgroups, threads, args, args_size, bindings, threadgroup_bytes);
-  }
 };
 
 class CommandBuffer : public gpu::CommandBuffer {

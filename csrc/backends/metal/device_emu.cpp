@@ -112,15 +112,15 @@ class EmuEncoder final : public Encoder {
  public:
   std::vector<std::vector<Recorded>> stages{1};
   uint32_t limit = 1024;  // EmuOptions::max_threads
-  uint32_t max_threads(KernelId) const override { return limit; }
+  uint32_t max_threads(gpu::KernelIndex) const override { return limit; }
 
  protected:
-  void do_dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
+  void do_dispatch(gpu::KernelIndex kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
                    const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) override {
     if (size_t(kernel) >= size_t(KernelId::count))
       throw std::invalid_argument("[metal-emu] invalid kernel id " + std::to_string(int(kernel)));
     const auto* a = static_cast<const uint8_t*>(args);
-    stages.back().push_back({kernel, threadgroups, threads, std::vector<uint8_t>(a, a + args_size), bindings,
+    stages.back().push_back({KernelId(kernel), threadgroups, threads, std::vector<uint8_t>(a, a + args_size), bindings,
                              threadgroup_bytes});
   }
   void do_barrier() override { stages.emplace_back(); }

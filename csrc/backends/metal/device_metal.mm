@@ -107,11 +107,11 @@ class MetalEncoder final : public Encoder {
     ended_ = true;
     [enc_ endEncoding];
   }
-  uint32_t max_threads(KernelId kernel) const override;
-  uint32_t static_threadgroup_bytes(KernelId kernel) const override;
+  uint32_t max_threads(gpu::KernelIndex kernel) const override;
+  uint32_t static_threadgroup_bytes(gpu::KernelIndex kernel) const override;
 
  protected:
-  void do_dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
+  void do_dispatch(gpu::KernelIndex kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
                    const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) override;
   void do_barrier() override { [enc_ memoryBarrierWithScope:MTLBarrierScopeBuffers]; }
 
@@ -383,9 +383,9 @@ class MetalDevice final : public Device, private KernelLibraries {
   mutable std::mutex mu_;
 };
 
-void MetalEncoder::do_dispatch(KernelId kernel, Grid threadgroups, Grid threads, const void* args, size_t args_size,
-                               const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) {
-  [enc_ setComputePipelineState:dev_.pipeline(kernel)];
+void MetalEncoder::do_dispatch(gpu::KernelIndex kernel, Grid threadgroups, Grid threads, const void* args,
+                               size_t args_size, const std::vector<Binding>& bindings, uint32_t threadgroup_bytes) {
+  [enc_ setComputePipelineState:dev_.pipeline(KernelId(kernel))];
   [enc_ setBytes:args length:NSUInteger(args_size) atIndex:0];
   for (const Binding& b : bindings) {
     const auto [buffer, offset] = static_cast<const MetalBuffer*>(b.buffer)->bind(b.offset, b.bytes);
@@ -396,12 +396,12 @@ void MetalEncoder::do_dispatch(KernelId kernel, Grid threadgroups, Grid threads,
        threadsPerThreadgroup:MTLSizeMake(threads.x, threads.y, threads.z)];
 }
 
-uint32_t MetalEncoder::max_threads(KernelId kernel) const {
-  return uint32_t(dev_.pipeline(kernel).maxTotalThreadsPerThreadgroup);
+uint32_t MetalEncoder::max_threads(gpu::KernelIndex kernel) const {
+  return uint32_t(dev_.pipeline(KernelId(kernel)).maxTotalThreadsPerThreadgroup);
 }
 
-uint32_t MetalEncoder::static_threadgroup_bytes(KernelId kernel) const {
-  return uint32_t(dev_.pipeline(kernel).staticThreadgroupMemoryLength);
+uint32_t MetalEncoder::static_threadgroup_bytes(gpu::KernelIndex kernel) const {
+  return uint32_t(dev_.pipeline(KernelId(kernel)).staticThreadgroupMemoryLength);
 }
 
 void MetalCommandBuffer::commit() {

@@ -1,7 +1,8 @@
 // The encoders: one function per kernel family op, in portable C++ over the Device (device.h). Each fills
 // its <Family>Args struct from metal/lily_args.h, picks a KernelId, sizes the grid, and declares how it
-// uses every buffer (so the Encoder derives barriers). The backend's ops (metal_backend.cpp) call them in
-// the order of the schedule; tests call them one by one through csrc/bindings/kernels.cpp.
+// uses every buffer (so the Encoder derives barriers). MetalBackend's ops (metal_backend.h), defined in the
+// same family files, call them in the order of the schedule; tests call them one by one through
+// csrc/bindings/kernels.cpp.
 //
 // Data formats on the device (shared by every family):
 //   x (residual stream) f32 [T, H]; every other activation bf16 [T, width]; logits f32 [T, V];

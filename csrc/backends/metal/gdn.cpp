@@ -1,11 +1,12 @@
-// The Gated DeltaNet encoders (encoders.h): prefill as gdn_conv → gdn_scan → gdn_gated_norm (two barriers,
-// derived from the bindings), decode as the single fused gdn_step. Previous hop: the Metal backend's schedule
-// glue (and csrc/bindings/kernels_gdn.cpp in tests); next hop: metal/gdn.metal.
+// The Gated DeltaNet family (metal/gdn.metal): prefill as gdn_conv → gdn_scan → gdn_gated_norm (two barriers,
+// derived from the bindings), decode as the single fused gdn_step — the encoders, and MetalBackend's gdn_scan /
+// gdn_step. Previous hop: the schedule (csrc/schedule/schedule.cpp; tests: csrc/bindings/kernels_gdn.cpp);
+// next hop: Encoder::dispatch.
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-#include "encoders.h"
+#include "metal_backend.h"
 
 namespace lily::metal {
 
@@ -122,6 +123,18 @@ void encode_gdn_decode(Encoder& enc, GdnScratch& s, const GdnDevice& G, View qkv
                 view(GDN_REC_STATE, st.rec_in, Access::read, state_bytes), view(GDN_OUT, out, Access::write, V * 2),
                 view(GDN_CONV_STATE_OUT, st.conv_out, Access::write, conv_bytes),
                 view(GDN_REC_STATE_OUT, st.rec_out, Access::write, state_bytes)});
+}
+
+// ---------------------------------------------------------------- MetalBackend's Gated DeltaNet ops (metal_backend.h)
+
+void MetalBackend::gdn_scan(int layer, int T) {
+  encode_gdn_prefill(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
+                     view(Act::alpha), T, gdn_states(layer), view(Act::mix));
+}
+
+void MetalBackend::gdn_step(int layer) {
+  encode_gdn_decode(enc(), *gdn_scratch_, gdn_[layer], view(Act::qkv), view(Act::z), view(Act::beta),
+                    view(Act::alpha), gdn_states(layer), view(Act::mix));
 }
 
 }  // namespace lily::metal

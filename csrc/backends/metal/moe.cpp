@@ -1,7 +1,7 @@
-// The MoE family's encoders (metal/moe.metal): routing, the prefill path (GPU-resident grouping + grouped
-// GEMMs) and the decode path (two fused GEMVs). Previous hop: the Metal backend glue (and
-// csrc/bindings/kernels_moe.cpp in tests); next hop: Encoder::dispatch, which derives the barriers from the
-// bindings declared here.
+// The MoE family (metal/moe.metal): routing, the prefill path (GPU-resident grouping + grouped GEMMs) and the
+// decode path (two fused GEMVs) — the encoders, and MetalBackend's moe_* ops that record them. Previous hop:
+// the schedule (csrc/schedule/schedule.cpp; tests: csrc/bindings/kernels_moe.cpp); next hop: Encoder::dispatch,
+// which derives the barriers from the bindings declared here.
 //
 // Prefill, all in the caller's command buffer (no CPU wait: the block map is read only by the GPU):
 //   histogram → scan (offsets, cursors, block map) → scatter (slot of each assignment)      [routing]
@@ -21,8 +21,11 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+
+#include "metal_backend.h"
 
 namespace lily::metal {
 
@@ -370,6 +373,50 @@ void encode_moe_decode(Encoder& enc, MoeScratch& s, const MoeDevice& M, View xn,
                     slot(logit, LILY_MOE_COMBINE_SHARED_LOGIT)});
     }
   }
+}
+
+// ---------------------------------------------------------------- MetalBackend's MoE ops (metal_backend.h)
+
+void MetalBackend::begin(Phase phase, const Fusions& fusions) {
+  topk_pending_ = false;
+  GpuBackend::begin(phase, fusions);
+}
+
+void MetalBackend::commit() {
+  if (topk_pending_) throw std::logic_error(tag() + " moe_norm_route's top-k was left to a moe_decode that never ran");
+  GpuBackend::commit();
+}
+
+// Without gpu_routing the CPU reads the top-k ids before the experts: it stays a separate dispatch.
+void MetalBackend::moe_norm_route(int layer, const Vec& w) {
+  if (!opt_.gpu_routing || !proj_fits()) return Backend::moe_norm_route(layer, w);
+  encode_moe_route_norm(enc(), *moe_scratch_, moe_[layer], view(Act::x), vec_of(w), c_.rms_eps, view(Act::xn));
+  topk_pending_ = true;
+}
+
+void MetalBackend::moe_route(int layer, int T) {
+  encode_moe_route(enc(), *moe_scratch_, moe_[layer], view(Act::xn), T, {route_ids_.get()}, {route_w_.get()});
+}
+
+void MetalBackend::moe_prefill(int layer, int T) {
+  if (topk_pending_)
+    throw std::logic_error(tag() + " moe_prefill after moe_norm_route, whose routes only moe_decode completes");
+  encode_moe_prefill(enc(), *moe_scratch_, moe_[layer], view(Act::xn), {route_ids_.get()}, {route_w_.get()}, T,
+                     view(Act::x), opt_.moe_tile_rows);
+}
+
+void MetalBackend::moe_decode(int layer) {
+  View ids{route_ids_.get()};
+  if (!opt_.gpu_routing) {
+    // The CPU-wait ablation: submit what was recorded (through the top-k), wait, read the expert ids and
+    // hand them back through a CPU-written buffer, then record the experts in a new command buffer.
+    wait_mid_step();
+    std::memcpy(route_ids_host_->contents(), route_ids_->contents(), size_t(c_.top_k) * 4);
+    ids = {route_ids_host_.get()};
+  }
+  encode_moe_decode(enc(), *moe_scratch_, moe_[layer], view(Act::xn), ids, {route_w_.get()}, view(Act::x),
+                    {.topk = topk_pending_, .swiglu = fusions().expert_swiglu, .combine = fusions().expert_combine});
+  topk_pending_ = false;
 }
 
 }  // namespace lily::metal

@@ -1,10 +1,11 @@
-// The proj family's encoder (metal/proj.metal): decode RMSNorm fused into the projections that share its
-// output, in one dispatch. Previous hop: the Metal backend ops (norm_project, moe_norm_route, norm_lm_head under
-// Fusions::norm_project / route); next hop: Encoder::dispatch.
+// The proj family (metal/proj.metal): decode RMSNorm fused into the projections that share its output, in one
+// dispatch — the encoder, and MetalBackend's norm_project / norm_lm_head (moe.cpp's moe_norm_route uses it too).
+// Previous hop: the schedule, in decode under Fusions::norm_project (tests: csrc/bindings/kernels_dense.cpp);
+// next hop: Encoder::dispatch.
 #include <stdexcept>
 #include <string>
 
-#include "encoders.h"
+#include "metal_backend.h"
 
 namespace lily::metal {
 
@@ -58,6 +59,33 @@ void encode_norm_project(Encoder& enc, View x, const DeviceVec& w, float eps, in
                 {LILY_PROJ_NORM_W, w.buffer, w.offset, Access::read, uint64_t(H) * 4}, bxn,
                 mb[0].w, mb[0].s, mb[0].b, mb[1].w, mb[1].s, mb[1].b, mb[2].w, mb[2].s, mb[2].b, mb[3].w, mb[3].s,
                 mb[3].b, out[0], out[1], out[2], out[3]});
+}
+
+// ---------------------------------------------------------------- MetalBackend's fused decode norm + projections (metal_backend.h)
+
+// proj_norm holds the normed row in threadgroup memory and sweeps it 16 columns a lane.
+bool MetalBackend::proj_fits() const { return c_.hidden % LILY_QGEMV_VALUES == 0 && c_.hidden <= LILY_PROJ_MAX_COLS; }
+
+void MetalBackend::norm_project(Act in, const Vec& w, std::initializer_list<Projection> ps) {
+  if (!proj_fits() || in != Act::x || ps.size() > size_t(LILY_PROJ_MAX_MATRICES)) return Backend::norm_project(in, w, ps);
+  const DeviceMatrix* src[LILY_PROJ_MAX_MATRICES];
+  DeviceMatrix m[LILY_PROJ_MAX_MATRICES];
+  ProjTarget t[LILY_PROJ_MAX_MATRICES];
+  int n = 0;
+  for (const Projection& p : ps) {
+    src[n] = &matrix_of(*p.W);
+    t[n] = {&m[n], view(p.out)};
+    ++n;
+  }
+  decode_matrices(src, n, m);
+  encode_norm_project(enc(), view(Act::x), vec_of(w), c_.rms_eps, c_.hidden, t, n, false);
+}
+
+void MetalBackend::norm_lm_head(int row) {
+  if (!proj_fits()) return lm_head(row, 1);
+  const DeviceMatrix head = lm_head_matrix();
+  const ProjTarget t{&head, logits_rows(1)};
+  encode_norm_project(enc(), view(Act::x).at(uint64_t(row) * c_.hidden * 4), norm_, c_.rms_eps, c_.hidden, &t, 1, true);
 }
 
 }  // namespace lily::metal

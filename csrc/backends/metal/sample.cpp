@@ -1,11 +1,12 @@
-// The sample family's encoder (metal/sample.metal): token selection with penalties, temperature, top-k,
-// top-p, min-p and the request's Philox draw, on the device. Previous hop: the Metal backend glue (and
-// csrc/bindings/kernels_sample.cpp in tests); next hop: Encoder::dispatch.
+// The sample family (metal/sample.metal): token selection with penalties, temperature, top-k, top-p, min-p and
+// the request's Philox draw, on the device — the encoder, and MetalBackend's encode_select hook. Previous hop:
+// GpuBackend::select_token (backends/gpu/gpu_backend.cpp; tests: csrc/bindings/kernels_sample.cpp); next hop:
+// Encoder::dispatch.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include "encoders.h"
+#include "metal_backend.h"
 
 namespace lily::metal {
 
@@ -43,6 +44,14 @@ void encode_sample(Encoder& enc, View logits, int vocab, const SampleArgs& args,
                 {LILY_SAMPLE_SEEN, seen.buffer, seen.offset, Access::read_write, V},
                 {LILY_SAMPLE_COUNTS, counts.buffer, counts.offset, Access::read_write, V * 4},
                 {LILY_SAMPLE_TOKEN, token.buffer, token.offset, Access::write, 4}});
+}
+
+// ---------------------------------------------------------------- MetalBackend's token selection hook (metal_backend.h)
+
+void MetalBackend::encode_select(View logits, View token, const SamplingParams* sample, uint64_t draws, View seen,
+                                 View counts) {
+  if (!sample) return encode_argmax(enc(), logits, c_.vocab, token);
+  encode_sample(enc(), logits, c_.vocab, sample_args(*sample, c_.vocab, draws), seen, counts, token);
 }
 
 }  // namespace lily::metal

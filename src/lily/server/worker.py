@@ -402,14 +402,17 @@ class LilyServer:
             log.exception("generation failed")
             run.emit("error", e)
         finally:
-            if gen is not None:
-                gen.close()  # a stream closed early rolls its session back
-            if final:
-                try:
+            try:
+                if gen is not None:
+                    gen.close()  # a stream closed early rolls its session back
+                if final:
                     self.cache.release(session)
-                except Exception:  # noqa: BLE001
-                    log.exception("prefix cache")
-            run.emit("end")
+            except Exception:  # noqa: BLE001 -- the answer (or its error) is out; the session is not kept
+                log.exception("ending the generation")
+            finally:
+                # What the request's coroutine waits for: without it the request never ends and keeps the
+                # engine from every later one.
+                run.emit("end")
 
     async def start(self, request, plan: _Plan):
         """Admits, queues and starts a request; returns the _Run once the engine accepted it (else raises)."""
