@@ -490,9 +490,10 @@ void gdn_case(int T, int nk, int nv, int dk, int dv, bool time) {
   const float ms = time ? time_ms(run) : 0.f;  // (the state moves on each run: only the time counts)
   char shape[96];
   std::snprintf(shape, sizeof shape, "chunked nk=%d nv=%d dk=%d dv=%d T=%d", nk, nv, dk, dv, T);
+  // both fp32, differently associated (a float32 model of the chunked form at T = 2048: max 3e-6, mean 1e-6);
   // flops: the row-by-row form's four multiply-adds a state element a row
-  report("gdn", shape, compare(got_out, ref_out), 2e-3, 2e-4, 8.0 * T * nv * dk * dv, ms, 0);
-  report("", "  (final state)", compare(got_state, ref_state), 2e-3, 2e-4, 0, 0, 0);
+  report("gdn", shape, compare(got_out, ref_out), 3e-4, 3e-5, 8.0 * T * nv * dk * dv, ms, 0);
+  report("", "  (final state)", compare(got_state, ref_state), 3e-4, 3e-5, 0, 0, 0);
   for (void* p : std::initializer_list<void*>{dconv, db, da, dA, ddt, rec, mix, packs}) cudaFree(p);
 }
 
