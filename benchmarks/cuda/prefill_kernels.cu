@@ -1,5 +1,6 @@
-// Correctness and speed of the CUDA backend's prefill kernels (gemm.cuh, flash_attention.cuh) on fresh random
-// data, each against a naive fp32 reference kernel in this file, at the model's shapes; exits 1 on a failure.
+// Correctness and speed of the CUDA backend's prefill kernels (gemm.cuh, flash_attention.cuh, gdn_chunked.cuh) on
+// fresh random data, each against a naive fp32 reference kernel in this file, at the model's shapes; exits 1 on a
+// failure.
 //
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/prefill_kernels.cu \
 //        -o build/prefill_kernels && build/prefill_kernels
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "backends/cuda/flash_attention.cuh"
+#include "backends/cuda/gdn_chunked.cuh"
 #ifdef LILY_OLD_KERNELS
 #include LILY_OLD_KERNELS
 #endif
@@ -195,7 +197,7 @@ void make_weights(Weights& w, int E, int N, int K, int bits, int wdt, int sdt, i
     W.w_row = uint64_t(K) * bits / 8;
     std::vector<uint8_t> codes(W.w_row * N * E);
     for (auto& c : codes) c = uint8_t(rng());
-    const int groups = K / group, pbytes = sdt == kF32 ? 4 : 2;
+    const int groups = (K + group - 1) / group, pbytes = sdt == kF32 ? 4 : 2;
     W.s_row = uint64_t(groups) * pbytes;
     const float qmax = float((1 << bits) - 1);
     // weights ≈ scale · (q - qmax/2) + jitter: centred, of magnitude ~1/sqrt(K) like a trained matrix
@@ -422,6 +424,79 @@ void attention_case(int T, int64_t pos, int n_q, int n_kv, bool time) {
   for (void* p : std::initializer_list<void*>{K, V, qbuf, q_gate, mix, pos_dev}) cudaFree(p);
 }
 
+// ---------------------------------------------------------------- Gated DeltaNet
+
+// One thread per (value head h, state column j), row by row from the raw inputs: q, k of the key head
+// l2-normalised (q · d_k^-1/2), β = σ(b), decay exp(-A·softplus(a + dt_bias)); S ← decay·S, δ = β·(v − Sᵀk),
+// S ← S + k·δᵀ, o = Sᵀq (the raw output, before the gated norm). The state [n_v][d_k][d_v] in and out.
+__global__ void ref_gdn_kernel(const float* conv, const float* b, const float* a, const float* A_log,
+                               const float* dt_bias, float* rec, float* out, int ldout, int T, int C, int nk, int nv,
+                               int dk, int dv) {
+  const int h = blockIdx.x, j = threadIdx.x, kh = h / (nv / nk), Kd = nk * dk;
+  float col[128];
+  float* S = rec + int64_t(h) * dk * dv;
+  for (int i = 0; i < dk; ++i) col[i] = S[i * dv + j];
+  for (int t = 0; t < T; ++t) {
+    const float* q = conv + int64_t(t) * C + kh * dk;
+    const float* k = q + Kd;
+    float qq = 0.f, kk = 0.f;
+    for (int i = 0; i < dk; ++i) qq += q[i] * q[i], kk += k[i] * k[i];
+    const float qs = 1.f / sqrtf(qq + 1e-6f) / sqrtf(float(dk)), ks = 1.f / sqrtf(kk + 1e-6f);
+    const float beta = 1.f / (1.f + expf(-b[int64_t(t) * nv + h]));
+    const float x = a[int64_t(t) * nv + h] + dt_bias[h];
+    const float decay = expf(-expf(A_log[h]) * (x > 20.f ? x : log1pf(expf(x))));
+    float mk = 0.f;
+    for (int i = 0; i < dk; ++i) col[i] *= decay, mk += col[i] * k[i] * ks;
+    const float delta = beta * (conv[int64_t(t) * C + 2 * Kd + h * dv + j] - mk);
+    float o = 0.f;
+    for (int i = 0; i < dk; ++i) col[i] += k[i] * ks * delta, o += col[i] * q[i] * qs;
+    out[int64_t(t) * ldout + h * dv + j] = o;
+  }
+  for (int i = 0; i < dk; ++i) S[i * dv + j] = col[i];
+}
+
+// The backend's path after the conv (gdn_prepare_kernel, then gdn_chunked.cuh) against the reference over T rows
+// from a random incoming state; outputs and final state compared; timed: the chunked recurrence alone.
+void gdn_case(int T, int nk, int nv, int dk, int dv, bool time) {
+  const int C = 2 * nk * dk + nv * dv, ldmix = nv * dv + 32;  // mix's padding columns must be left alone
+  const auto conv = random_floats(size_t(T) * C, -1.f, 1.f);
+  const auto b = random_floats(size_t(T) * nv, -4.f, 4.f), a = random_floats(size_t(T) * nv, -4.f, 4.f);
+  // decays from ~0.997 (long memory across chunks) to ~e^-22 a row
+  const auto A_log = random_floats(nv, -1.f, 1.5f), dt_bias = random_floats(nv, -1.f, 1.f);
+  const auto rec0 = random_floats(size_t(nv) * dk * dv, -0.5f, 0.5f);
+  const auto mix0 = random_floats(size_t(T) * ldmix, -1.f, 1.f);
+  float *dconv = upload(conv), *db = upload(b), *da = upload(a), *dA = upload(A_log), *ddt = upload(dt_bias);
+  float *rec = upload(rec0), *mix = upload(mix0);
+  ref_gdn_kernel<<<nv, dv>>>(dconv, db, da, dA, ddt, rec, mix, ldmix, T, C, nk, nv, dk, dv);
+  CK(cudaGetLastError());
+  const auto ref_out = download(mix, mix0.size()), ref_state = download(rec, rec0.size());
+  CK(cudaMemcpy(rec, rec0.data(), rec0.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(mix, mix0.data(), mix0.size() * 4, cudaMemcpyHostToDevice));
+  const int warps = T * (2 * nk + 1);
+  gdn_prepare_kernel<<<(warps + 3) / 4, 128>>>(dconv, db, da, dA, ddt, T, C, nk, nv, dk);  // in place
+  CK(cudaGetLastError());
+  float* packs = nullptr;
+  CK(cudaMalloc(&packs, size_t((T + kGdnChunk - 1) / kGdnChunk) * nv * gdn_pack_floats(dk, dv) * 4));
+  auto run = [&] {
+    switch (dk) {
+      case 32: launch_gdn_chunked<32>(dconv, db, da, packs, rec, mix, ldmix, T, C, nk, nv, dv, 0); break;
+      case 64: launch_gdn_chunked<64>(dconv, db, da, packs, rec, mix, ldmix, T, C, nk, nv, dv, 0); break;
+      default: launch_gdn_chunked<128>(dconv, db, da, packs, rec, mix, ldmix, T, C, nk, nv, dv, 0); break;
+    }
+  };
+  run();
+  CK(cudaGetLastError());
+  const auto got_out = download(mix, mix0.size()), got_state = download(rec, rec0.size());
+  const float ms = time ? time_ms(run) : 0.f;  // (the state moves on each run: only the time counts)
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "chunked nk=%d nv=%d dk=%d dv=%d T=%d", nk, nv, dk, dv, T);
+  // both fp32, differently associated (a float32 model of the chunked form at T = 2048: max 3e-6, mean 1e-6);
+  // flops: the row-by-row form's four multiply-adds a state element a row
+  report("gdn", shape, compare(got_out, ref_out), 3e-4, 3e-5, 8.0 * T * nv * dk * dv, ms, 0);
+  report("", "  (final state)", compare(got_state, ref_state), 3e-4, 3e-5, 0, 0, 0);
+  for (void* p : std::initializer_list<void*>{dconv, db, da, dA, ddt, rec, mix, packs}) cudaFree(p);
+}
+
 // The model's shapes, the large ones timed.
 void model_shapes() {
   // the model's dense projections (q4, bf16 scales, groups of 64) at the chunk sizes
@@ -445,6 +520,9 @@ void model_shapes() {
   for (const auto& [T, pos] : {std::pair<int, int64_t>{1, 0}, {7, 0}, {63, 5}, {65, 100}, {513, 0}, {512, 1536},
                                {2048, 0}, {2048, 2048}})
     attention_case<256>(T, pos, 16, 2, T >= 512);
+
+  // Gated DeltaNet: 32 value heads over 16 key heads, d_k = d_v = 128, partial chunks and chunk edges
+  for (int T : {1, 7, 63, 64, 65, 512, 513, 2048}) gdn_case(T, 16, 32, 128, 128, T >= 512);
 }
 
 }  // namespace
@@ -472,6 +550,11 @@ int main(int argc, char** argv) {
   attention_case<128>(77, 30, 6, 2, false);
   attention_case<32>(33, 0, 2, 2, false);
   attention_case<256>(65, 100, 16, 2, false);
+  gdn_case(100, 2, 4, 32, 32, false);  // the tiny models' geometries (d_k 32/64, d_v 32/64/128)
+  gdn_case(130, 2, 4, 64, 64, false);
+  gdn_case(65, 1, 2, 32, 128, false);
+  gdn_case(70, 2, 2, 64, 128, false);
+  gdn_case(129, 16, 32, 128, 128, false);
   if (!small) model_shapes();
   std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
   return failures ? 1 : 0;

@@ -20,6 +20,7 @@
 #include <unordered_map>
 
 #include "flash_attention.cuh"
+#include "gdn_chunked.cuh"
 #include "gemm.cuh"
 #include "kernels.cuh"
 
@@ -87,6 +88,8 @@ class CudaBackend final : public Backend {
     imax_ = std::max(I, c_.shared_inter);
     qbuf_ = device_alloc<float>(size_t(rows_) * c_.n_q * c_.head_dim);
     conv_out_ = device_alloc<float>(size_t(rows_) * c_.conv_dim());
+    gdn_packs_ = device_alloc<float>(size_t((rows_ + kGdnChunk - 1) / kGdnChunk) * c_.lin_nv *
+                                     gdn_pack_floats(c_.lin_dk, c_.lin_dv));
     attn_part_ = device_alloc<float>(size_t(c_.n_q) * kDecodeSplits * (c_.head_dim + 2));
     router_ = device_alloc<float>(size_t(rows_) * E);
     shared_logit_ = device_alloc<float>(rows_);
@@ -111,9 +114,9 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     cudaFree(arena_);
     for (float* p : act_) cudaFree(p);
-    for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, attn_part_, router_, shared_logit_, route_ids_,
-                                                route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_, ybuf_, sy_,
-                                                tokens_, tok_dev_, pos_dev_})
+    for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
+                                                route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
+                                                ybuf_, sy_, tokens_, tok_dev_, pos_dev_})
       cudaFree(p);
     cudaStreamDestroy(stream_);
   }
@@ -397,8 +400,8 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence, the gated
-  // norm over all rows.
+  // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence in chunks of
+  // 64 rows (gdn_chunked.cuh), the gated norm over all rows.
   void gdn_scan(int layer, int T) override {
     check_rows(T, "gdn_scan");
     if (!op()) return;
@@ -412,14 +415,15 @@ class CudaBackend final : public Backend {
     const int warps = T * (2 * nk + 1);
     gdn_prepare_kernel<<<(warps + 3) / 4, 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha),
                                                             vec(G.A_log), vec(G.dt_bias), T, C, nk, nv, c_.lin_dk);
-    auto scan = [&](auto kernel) {
-      kernel<<<dim3(nv, dv / 32), 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha), s_->rec[layer],
-                                                      act(Act::mix), width(Act::mix), T, C, nk, nv, dv);
+    auto scan = [&](auto dk) {
+      launch_gdn_chunked<decltype(dk)::value>(conv_out_, act(Act::beta), act(Act::alpha), gdn_packs_,
+                                              s_->rec[layer], act(Act::mix), width(Act::mix), T, C, nk, nv, dv,
+                                              stream_);
     };
     switch (c_.lin_dk) {
-      case 32: scan(gdn_scan_rows_kernel<32>); break;
-      case 64: scan(gdn_scan_rows_kernel<64>); break;
-      default: scan(gdn_scan_rows_kernel<128>); break;
+      case 32: scan(std::integral_constant<int, 32>{}); break;
+      case 64: scan(std::integral_constant<int, 64>{}); break;
+      default: scan(std::integral_constant<int, 128>{}); break;
     }
     gdn_gated_norm_kernel<<<T * nv, dv, 0, stream_>>>(act(Act::mix), width(Act::mix), act(Act::z), vec(G.norm), nv,
                                                      dv, c_.rms_eps);
@@ -753,6 +757,7 @@ class CudaBackend final : public Backend {
   // the streaming kernels' grid (at most two blocks an SM fit their registers): a tuning knob while measuring
   int blocks_per_sm_ = 2;
   float *qbuf_ = nullptr, *conv_out_ = nullptr, *attn_part_ = nullptr, *router_ = nullptr, *shared_logit_ = nullptr;
+  float* gdn_packs_ = nullptr;  // gdn_chunked.cuh's per-(chunk, value head) packs for max_rows rows
   int32_t* route_ids_ = nullptr;
   float* route_w_ = nullptr;
   int *counts_ = nullptr, *offsets_ = nullptr, *perm_ = nullptr, *inv_ = nullptr;

@@ -738,7 +738,8 @@ __global__ void gdn_conv_state_kernel(const float* qkv, float* conv_state, int T
 }
 
 // Per (row, key head): q and k l2-normalised in place (q · d_k^-1/2); per (row, value head): the gates,
-// β = σ(b) into beta and the decay exp(-A·softplus(a + dt_bias)) into alpha, in place. One warp each.
+// β = σ(b) into beta and the log of the decay, -A·softplus(a + dt_bias), into alpha, in place (the chunked scan
+// works with sums of it). One warp each.
 __global__ void gdn_prepare_kernel(float* conv, float* beta, float* alpha, const float* A_log, const float* dt_bias,
                                    int T, int C, int nk, int nv, int dk) {
   const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -749,7 +750,7 @@ __global__ void gdn_prepare_kernel(float* conv, float* beta, float* alpha, const
     for (int h = lane; h < nv; h += 32) {
       const int64_t i = int64_t(t) * nv + h;
       beta[i] = sigmoidf_(beta[i]);
-      alpha[i] = expf(-expf(A_log[h]) * softplusf_(alpha[i] + dt_bias[h]));
+      alpha[i] = -expf(A_log[h]) * softplusf_(alpha[i] + dt_bias[h]);
     }
     return;
   }
@@ -758,60 +759,6 @@ __global__ void gdn_prepare_kernel(float* conv, float* beta, float* alpha, const
   for (int i = lane; i < dk; i += 32) ss += x[i] * x[i];
   const float inv = rsqrtf(warp_sum(ss) + 1e-6f) * (v < nk ? rsqrtf(float(dk)) : 1.f);
   for (int i = lane; i < dk; i += 32) x[i] *= inv;
-}
-
-// Prefill's delta-rule recurrence over T rows for 32 columns of one value head's state: four threads per
-// column, each a quarter of it in registers, partial products added with two shuffles; no barriers (q, k and
-// the gates were prepared by gdn_prepare_kernel), and row t + 1's inputs are loaded while row t is computed.
-// Writes the raw output o into mix (gdn_gated_norm_kernel finishes it). Grid (n_v, d_v / 32), 128 threads.
-template <int DK>
-__global__ void __launch_bounds__(128) gdn_scan_rows_kernel(const float* conv, const float* beta,
-                                                             const float* alpha, float* rec, float* mix, int ldmix,
-                                                             int T, int C, int nk, int nv, int dv) {
-  constexpr int Q = DK / 4;
-  const int h = blockIdx.x, j = blockIdx.y * 32 + (threadIdx.x >> 2), i0 = (threadIdx.x & 3) * Q;
-  const int kh = h / (nv / nk), Kd = nk * DK;
-  float* S = rec + int64_t(h) * DK * dv;
-  float col[Q];
-#pragma unroll
-  for (int i = 0; i < Q; ++i) col[i] = S[(i0 + i) * dv + j];
-  float q[Q], k[Q], v, b, a;
-  auto load = [&](int t, float* qd, float* kd, float& vd, float& bd, float& ad) {
-    const float* row = conv + int64_t(t) * C;
-#pragma unroll
-    for (int i = 0; i < Q; ++i) qd[i] = row[kh * DK + i0 + i], kd[i] = row[Kd + kh * DK + i0 + i];
-    vd = row[2 * Kd + h * dv + j];
-    bd = beta[int64_t(t) * nv + h];
-    ad = alpha[int64_t(t) * nv + h];
-  };
-  load(0, q, k, v, b, a);
-  for (int t = 0; t < T; ++t) {
-    float qn[Q], kn[Q], vn = 0.f, bn = 0.f, an = 0.f;
-    if (t + 1 < T) load(t + 1, qn, kn, vn, bn, an);
-    float mk = 0.f;
-#pragma unroll
-    for (int i = 0; i < Q; ++i) {
-      col[i] *= a;
-      mk = fmaf(col[i], k[i], mk);
-    }
-    mk += __shfl_xor_sync(0xffffffffu, mk, 1);
-    mk += __shfl_xor_sync(0xffffffffu, mk, 2);
-    const float delta = b * (v - mk);
-    float o = 0.f;
-#pragma unroll
-    for (int i = 0; i < Q; ++i) {
-      col[i] = fmaf(k[i], delta, col[i]);
-      o = fmaf(col[i], q[i], o);
-    }
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
-    o += __shfl_xor_sync(0xffffffffu, o, 2);
-    if (i0 == 0) mix[int64_t(t) * ldmix + h * dv + j] = o;
-#pragma unroll
-    for (int i = 0; i < Q; ++i) q[i] = qn[i], k[i] = kn[i];
-    v = vn, b = bn, a = an;
-  }
-#pragma unroll
-  for (int i = 0; i < Q; ++i) S[(i0 + i) * dv + j] = col[i];
 }
 
 // mix[t, head h] ← RMSNorm(o) · w ⊙ SiLU(z), in place; one block of d_v threads per (row, value head).
