@@ -165,8 +165,10 @@ class Stream:
     """What Engine.stream returns: an iterator of Deltas; close() stops it early and leaves the session as it was.
     As the value of a notebook cell it shows the text as it is generated (lily.display.show_stream)."""
 
-    def __init__(self, deltas: Iterator[Delta]):
+    def __init__(self, deltas: Iterator[Delta], release):
         self._deltas = deltas
+        self._release = release  # frees the engine for the next request (a generator closed before its first
+        #                          step never runs its own cleanup)
 
     def __iter__(self) -> "Stream":
         return self
@@ -176,6 +178,10 @@ class Stream:
 
     def close(self) -> None:
         self._deltas.close()
+        self._release()
+
+    def __del__(self) -> None:
+        self.close()
 
     def _ipython_display_(self) -> None:
         from .display import show_stream
@@ -396,7 +402,11 @@ class Engine:
         req.cancel, req.progress = cancel, progress
         gen = self._run(req, holder)
         holder["gen"] = self._active = gen
-        return Stream(gen)
+        return Stream(gen, lambda: self._release(gen))
+
+    def _release(self, gen) -> None:
+        if self._active is gen:
+            self._active = None
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, *,
                     enable_thinking: bool | None = None, chat_template_kwargs: dict | None = None,
