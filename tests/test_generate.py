@@ -166,3 +166,18 @@ def test_cli_help_has_examples(monkeypatch):
     for cmd in ("generate", "chat"):
         with pytest.raises(SystemExit):
             _run_cli([cmd, "--help"], monkeypatch=monkeypatch)
+
+
+def test_stream_closed_before_its_first_token_frees_the_engine(engine):
+    """A stream closed (or dropped) before it is iterated never ran its generator's cleanup: the engine must still
+    take the next request, and the session stay as it was."""
+    s = engine.new_session()
+    before = s.position
+    engine.stream([5, 6, 7], max_tokens=4, temperature=0, session=s).close()
+    assert s.position == before
+    engine.stream([5, 6, 7], max_tokens=4, temperature=0)  # dropped unstarted
+    import gc
+    gc.collect()
+    want = engine.generate([5, 6, 7], max_tokens=4, temperature=0).token_ids
+    got = [t for d in engine.stream([5, 6, 7], max_tokens=4, temperature=0) for t in d.token_ids]
+    assert got == want and len(want) == 4
