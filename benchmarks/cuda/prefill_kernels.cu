@@ -395,7 +395,9 @@ void attention_case(int T, int64_t pos, int n_q, int n_kv, bool time) {
   const auto mix0 = random_floats(size_t(T) * ldmix, -1.f, 1.f);
   float* mix = upload(mix0);
   int64_t* pos_dev = upload(std::vector<int64_t>{pos});
-  const size_t smem = size_t(pos + T) * 4;
+  // the scores, plus 16 bytes: compute-sanitizer saw the reference's unrolled score loop read 12 bytes at its
+  // last score (a vector load), past an allocation of exactly pos + T floats
+  const size_t smem = size_t(pos + T + 4) * 4;
   CK(cudaFuncSetAttribute(ref_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   ref_attention_kernel<<<dim3(T, n_q), 256, smem>>>(qbuf, K, V, cap, q_gate, mix, ldmix, n_q, n_kv, D, pos);
   CK(cudaGetLastError());
