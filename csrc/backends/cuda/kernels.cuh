@@ -54,9 +54,6 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 q, float* v) {
   }
 }
 
-struct LinDev;
-__device__ __forceinline__ void prefetch_rows(const LinDev& W, int e, int r0, int r1);
-
 // Columns [c0, c0 + 32) of row r of expert e, dequantised; c0 is a multiple of 32 (a group holds 32k columns).
 __device__ __forceinline__ void dequant32(const LinDev& W, int e, int r, int c0, float* v) {
   const uint8_t* row = W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row;
