@@ -446,6 +446,8 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // The routing ops leave the router's logits; the op that consumes them takes the top-k (moe_prefill with a
+  // kernel of its own, moe_decode inside the experts' gate/up kernel).
   void moe_route(int layer, int T) override {
     check_rows(T, "moe_route");
     if (!op()) return;
