@@ -104,6 +104,9 @@ class CudaBackend final : public Backend {
     sy_ = device_alloc<float>(size_t(rows_) * H);
     tokens_ = device_alloc<int32_t>(rows_);
     tok_dev_ = device_alloc<int32_t>(1);
+    argmax_slot_ = device_alloc<ArgmaxSlot>(1);
+    CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
+    allow_decode_smem();
     pos_dev_ = device_alloc<int64_t>(1);
   }
 
@@ -114,7 +117,7 @@ class CudaBackend final : public Backend {
     for (float* p : act_) cudaFree(p);
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
                                                 route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
-                                                ybuf_, sy_, tokens_, tok_dev_, pos_dev_})
+                                                ybuf_, sy_, tokens_, tok_dev_, pos_dev_, argmax_slot_})
       cudaFree(p);
     cudaStreamDestroy(stream_);
   }
@@ -268,7 +271,7 @@ class CudaBackend final : public Backend {
       // Device greedy selection is part of every decode graph (a step that does not select only leaves the
       // token slot overwritten by the next embed).
       if (mode_ == Mode::capturing) {
-        launch_dependent(argmax_kernel, 1, 1024, 0, act(Act::logits), c_.vocab, tok_dev_);
+        select_greedy();
         cudaGraph_t graph = nullptr;
         CK(cudaStreamEndCapture(stream_, &graph));
         if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
@@ -487,26 +490,19 @@ class CudaBackend final : public Backend {
   void moe_decode(int layer) override {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
-    const int K = c_.top_k, H = c_.hidden, E = c_.experts;
-    const int items = (K + 1) * imax_, blocks = std::min((items + kGemvWarps - 1) / kGemvWarps, kStreamBlocksPerSm * sms_);
-    const size_t smem = (padded_floats(H) + E) * sizeof(float);
-    // streamed: 4-bit experts whose rows a lane covers in at most two rounds (as gemv_shape)
-    const bool streamed = M.gate.bits == 4 && M.up.bits == 4 && M.shared_gate_proj.bits == 4 &&
-                          M.shared_up.bits == 4 && H <= 2048;
-    auto gate_up = streamed ? (H <= 1024 ? moe_gate_up_kernel<1, true> : moe_gate_up_kernel<2, true>)
-                            : moe_gate_up_kernel<1, false>;
-    launch_dependent(gate_up, blocks, kGemvWarps * 32, smem, lin(M.gate), lin(M.up), lin(M.shared_gate_proj),
-                     lin(M.shared_up), lin(M.down), lin(M.shared_down), act(Act::xn), H, router_, E, K, route_ids_,
-                     route_w_, hbuf_, imax_);
-    // (expert, chunk) pairs a lane covers per row of the down projections, streamed when 4-bit
-    const int ch = (K + 1) * (M.down.cols / 32) <= 32 ? 1 : (K + 1) * (M.down.cols / 32) <= 64 ? 2
-                 : (K + 1) * (M.down.cols / 32) <= 160 ? 5 : 0;
-    const bool down_q4 = M.down.bits == 4 && M.shared_down.bits == 4 && M.down.cols == M.shared_down.cols;
-    auto down = !down_q4 || ch == 0 ? moe_down_kernel<0>
-              : ch == 1 ? moe_down_kernel<1> : ch == 2 ? moe_down_kernel<2> : moe_down_kernel<5>;
-    launch_dependent(down, std::min((H + kGemvWarps - 1) / kGemvWarps, kStreamBlocksPerSm * sms_), kGemvWarps * 32,
-                     (padded_floats((K + 1) * imax_) + 2 * K) * sizeof(float), lin(M.down), lin(M.shared_down),
-                     hbuf_, imax_, route_ids_, route_w_, shared_logit_, K, act(Act::x));
+    const int H = c_.hidden;
+    const MoeDecode md{lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), lin(M.down),
+                       lin(M.shared_down), c_.top_k, c_.experts, imax_};
+    const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), sms_,
+                                     "the experts' gate/up");
+    launch_dependent(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks,
+                     kDecodeThreads, g.smem, md, act(Act::xn), H, router_, route_ids_, route_w_, hbuf_, g.stages,
+                     md.gate_up_stage_bytes());
+    const int tr = moe_down_tile_rows(H, sms_);
+    const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), sms_,
+                                     "the experts' down");
+    launch_dependent(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, hbuf_, shared_logit_, route_ids_, route_w_,
+                     act(Act::x), tr, d.stages, md.down_stage_bytes(tr));
   }
 
   // ---------------------------------------------------------------- token selection
@@ -530,7 +526,7 @@ class CudaBackend final : public Backend {
       return;
     }
     if (phase_ == Phase::decode && mode_ != Mode::direct) return;  // in the graph (commit)
-    launch_dependent(argmax_kernel, 1, 1024, 0, act(Act::logits), c_.vocab, tok_dev_);
+    select_greedy();
   }
 
   int32_t read_token(float* logits) override {
@@ -592,7 +588,7 @@ class CudaBackend final : public Backend {
   void upload_weights() {
     sizing_ = true;
     upload_walk();
-    CK(cudaMalloc(reinterpret_cast<void**>(&arena_), arena_used_));
+    CK(cudaMalloc(reinterpret_cast<void**>(&arena_), arena_used_ + 256));  // + a tile copy's rounding
     sizing_ = false;
     arena_used_ = 0;
     upload_walk();
@@ -631,6 +627,9 @@ class CudaBackend final : public Backend {
                                   std::to_string(W.group) + " (4 or 8 bits, groups a multiple of 32)");
     if (!W.quantized() && W.wdtype == DType::u32)
       throw std::invalid_argument("[cuda] weight " + W.name + ": integer dense weight");
+    if (W.w_row_bytes % 16 || W.w_expert_bytes % 16 || W.s_expert_bytes % 16 || W.s_row_bytes % 2)
+      throw std::invalid_argument("[cuda] weight " + W.name + ": rows or experts not 16-byte aligned (decode copies "
+                                  "its weights in 16-byte units)");
     const int64_t E = std::max<int64_t>(W.experts, 1);
     auto span = [&](uint64_t expert_bytes, uint64_t row_bytes) { return (E - 1) * expert_bytes + W.rows * row_bytes; };
     LinDev d;
@@ -667,20 +666,17 @@ class CudaBackend final : public Backend {
     if (jobs.n == 4) throw std::logic_error("[cuda] more than four projections share one input");
     jobs.W[jobs.n] = lin(W);
     jobs.out[jobs.n] = out;
-    jobs.first[jobs.n + 1] = jobs.first[jobs.n] + int(W.rows);
     ++jobs.n;
   }
 
   void gemv(GemvJobs& jobs, const float* x, const float* norm, float* xn_out) {
     const int cols = jobs.W[0].cols;
-    const GemvShape shape = gemv_shape(jobs, kStreamBlocksPerSm * sms_);
-    auto kernel = !shape.streamed ? gemv_kernel<1, 1, false>
-                : shape.U == 1    ? gemv_kernel<4, 1, true>
-                : shape.U == 2    ? gemv_kernel<2, 2, true>
-                                  : gemv_kernel<1, 4, true>;
     if (norm && cols > kNormRowMax) throw std::logic_error("[cuda] a normed GEMV row of " + std::to_string(cols));
-    launch_dependent(kernel, shape.blocks, kGemvWarps * 32,
-                     padded_floats(cols) * sizeof(float), jobs, x, cols, norm, c_.rms_eps, xn_out);
+    const uint32_t stage_bytes = plan_gemv(jobs);
+    const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), sms_,
+                                     "a GEMV of " + std::to_string(cols) + " columns");
+    launch_dependent(by_cols(cols, [](auto U) { return gemv_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads,
+                     g.smem, jobs, x, cols, norm, c_.rms_eps, xn_out, g.stages, stage_bytes);
   }
 
   // Y (+)= W · X for T rows: a warp-per-row GEMV for one row, the tensor-core GEMM for more.
@@ -712,6 +708,22 @@ class CudaBackend final : public Backend {
     cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream_;
     cfg.attrs = &attr, cfg.numAttrs = 1;
     CK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
+  }
+
+  // Device greedy selection: the logits row's first maximum into the token slot.
+  void select_greedy() {
+    launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, act(Act::logits), c_.vocab,
+                     argmax_slot_, tok_dev_);
+  }
+
+  // The decode kernels' shared memory beyond the default 48 KB.
+  static void allow_decode_smem() {
+    auto allow = [](auto kernel) {
+      CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem)));
+    };
+    allow(gemv_kernel<1>), allow(gemv_kernel<2>), allow(gemv_kernel<4>), allow(gemv_kernel<8>);
+    allow(moe_gate_up_kernel<1>), allow(moe_gate_up_kernel<2>), allow(moe_gate_up_kernel<4>);
+    allow(moe_gate_up_kernel<8>), allow(moe_down_kernel);
   }
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {
@@ -754,9 +766,6 @@ class CudaBackend final : public Backend {
   int64_t width_[int(Act::count)] = {};
   float* act_[int(Act::count)] = {};
   int logit_rows_ = 0, imax_ = 0, sms_ = 1;
-  // The streaming kernels' grid: two blocks an SM (what their registers allow). One block an SM, which would
-  // leave room for the next kernel's blocks to start early, measured 203 tok/s against 290 (4K context, H200).
-  static constexpr int kStreamBlocksPerSm = 2;
   float *qbuf_ = nullptr, *conv_out_ = nullptr, *attn_part_ = nullptr, *router_ = nullptr, *shared_logit_ = nullptr;
   float* gdn_packs_ = nullptr;  // gdn_chunked.cuh's per-(chunk, value head) packs for max_rows rows
   int32_t* route_ids_ = nullptr;
@@ -764,6 +773,7 @@ class CudaBackend final : public Backend {
   int *counts_ = nullptr, *offsets_ = nullptr, *perm_ = nullptr, *inv_ = nullptr;
   float *g_ = nullptr, *u_ = nullptr, *hbuf_ = nullptr, *ybuf_ = nullptr, *sy_ = nullptr;
   int32_t *tokens_ = nullptr, *tok_dev_ = nullptr;
+  ArgmaxSlot* argmax_slot_ = nullptr;
   int64_t* pos_dev_ = nullptr;
   CudaState* s_ = nullptr;
   Phase phase_ = Phase::prefill;

@@ -19,10 +19,6 @@ namespace lily::cuda {
 
 // ---------------------------------------------------------------- tensor-core primitives (PTX ISA 9.7.13)
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
-
 // Four 8×8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8 and receives in register j
 // the elements (l / 4, 2·(l % 4) + {0, 1}) of matrix j (.trans: (2·(l % 4) + {0, 1}, l / 4)).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {

@@ -6,7 +6,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 namespace lily::cuda {
 
@@ -166,24 +170,7 @@ __device__ __forceinline__ void load_chunk(const float* xs, int c0, float* v) {
   }
 }
 
-// Row r of W (expert e) · x (x staged as above, W.cols long), summed over the warp.
-__device__ __forceinline__ float warp_dot_row(const LinDev& W, int e, int r, const float* xs) {
-  const int lane = threadIdx.x & 31;
-  float acc = 0.f;
-  for (int c0 = lane * 32; c0 < W.cols; c0 += 32 * 32) {
-    float v[32], x[32];
-    dequant32(W, e, r, c0, v);
-    load_chunk(xs, c0, x);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc = fmaf(v[i], x[i], acc);
-  }
-  return warp_sum(acc);
-}
-
-// Decode's GEMVs are latency-bound unless each lane has several weight loads in flight: R rows of one matrix
-// (of two, A and B, with the same geometry: the experts' gate and up) at U column chunks each, every 16-byte
-// load issued before the first of them is used. 4-bit rows take that path; other formats go row by row
-// through dequant32. Results reduced over the warp into outA[R] (and outB[R]).
+// A lane's unit of 4-bit work: 16 bytes of codes (32 columns) and its group's scale and bias.
 struct Q4Chunk {
   uint4 q;
   float scale, bias;
@@ -210,91 +197,6 @@ __device__ __forceinline__ float dot_q4(const Q4Chunk& c, const float* x, float 
       sum_xf = fmaf(__uint_as_float((top & 0x00780000u) | 0x3f800000u), x[8 * i + k], sum_xf);
     }
   return fmaf(c.scale * 16.f, sum_xf - xsum, fmaf(c.bias, xsum, acc));
-}
-
-// R rows of M matrices (M = 2: the experts' gate and up, one geometry) over U column chunks a lane, columns
-// [c0, c0 + 1024·U) of the warp: their loads held in registers, so a warp can issue the loads of its next rows
-// before it computes these (decode's GEMVs stream their weights that way). Rows past `rows` repeat the last.
-template <int R, int U, int M>
-struct Q4Rows {
-  Q4Chunk c[U][M][R];
-  __device__ __forceinline__ void load(const LinDev& A, const LinDev& B, int e, int r0, int rows, int c0) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (c0 + lane * 32 + 1024 * u < A.cols)
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-          for (int i = 0; i < R; ++i) c[u][m][i] = load_q4(m ? B : A, e, min(r0 + i, rows - 1), c0 + lane * 32 + 1024 * u);
-  }
-  __device__ __forceinline__ void dot(const float* xs, int cols, int c0, float (&acc)[M][R]) const {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (c0 + lane * 32 + 1024 * u < cols) {
-        float x[32];
-        load_chunk(xs, c0 + lane * 32 + 1024 * u, x);
-        float xsum = 0.f;
-#pragma unroll
-        for (int k = 0; k < 32; ++k) xsum += x[k];
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-          for (int i = 0; i < R; ++i) acc[m][i] = dot_q4(c[u][m][i], x, xsum, acc[m][i]);
-      }
-  }
-};
-
-// acc[m][i] (per lane) → the warp's sums, lane i holding row i's (out[m] on lane i < R).
-template <int R, int M>
-__device__ __forceinline__ void warp_reduce_rows(float (&acc)[M][R], float* out) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    float mine = 0.f;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const float v = warp_sum(acc[m][i]);
-      mine = lane == i ? v : mine;
-    }
-    out[m] = mine;
-  }
-}
-
-// R rows r0… of A (and of B) of expert e · the staged x, any format: 4-bit through Q4Rows a column round at
-// a time, others row by row through dequant32. Lane i < R returns row i's sums in out[m].
-template <int R, int U, int M>
-__device__ __forceinline__ void warp_dot_rows(const LinDev& A, const LinDev& B, int e, int r0, int rows,
-                                              const float* xs, float* out) {
-  float acc[M][R];
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int i = 0; i < R; ++i) acc[m][i] = 0.f;
-  if (A.bits == 4 && (M == 1 || B.bits == 4)) {
-    for (int c0 = 0; c0 < A.cols; c0 += 1024 * U) {
-      Q4Rows<R, U, M> q;
-      q.load(A, B, e, r0, rows, c0);
-      q.dot(xs, A.cols, c0, acc);
-    }
-  } else {
-    const int lane = threadIdx.x & 31;
-    for (int c0 = lane * 32; c0 < A.cols; c0 += 32 * 32) {
-      float x[32];
-      load_chunk(xs, c0, x);
-#pragma unroll
-      for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-          float v[32];
-          dequant32(m ? B : A, e, min(r0 + i, rows - 1), c0, v);
-#pragma unroll
-          for (int k = 0; k < 32; ++k) acc[m][i] = fmaf(v[k], x[k], acc[m][i]);
-        }
-    }
-  }
-  warp_reduce_rows<R, M>(acc, out);
 }
 
 // n floats (a multiple of 4, 16-byte aligned) from global into shared memory, padded as above, each thread's
@@ -356,106 +258,244 @@ __device__ __forceinline__ void stage_row(const float* x, int cols, const float*
   __syncthreads();
 }
 
+// ---------------------------------------------------------------- decode: weights streamed through shared memory
+//
+// Decode's GEMVs move each weight once and do two FMAs a byte, so their time is the DRAM latency and the
+// bytes in flight. Their weights come in tiles of whole rows (codes, scales and biases: three bulk copies,
+// cp.async.bulk, into shared memory, completing on an mbarrier), issued by one thread before the kernel
+// waits on the one before it: a block has up to a stage budget of tiles in flight from its first
+// instruction, none of them held in registers. The budget leaves room on the SM for the next kernel's block,
+// so its copies are in flight while this kernel computes (programmatic dependent launch starts it early);
+// a block whose tiles outnumber its stages refills a stage once every warp is done with it.
+
+constexpr int kDecodeWarps = 8, kDecodeThreads = kDecodeWarps * 32;
+constexpr int kMaxStages = 16;
+// A block's shared memory: two such blocks (of two kernels) fit an H200 SM's 228 KB.
+constexpr uint32_t kDecodeSmem = 110 * 1024;
+
+__host__ __device__ constexpr uint32_t round16(uint64_t n) { return uint32_t((n + 15) & ~uint64_t(15)); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+// The barriers' initialisation visible to the bulk copies (the async proxy).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// The one arrival of the barrier's phase, expecting `bytes` of copies to complete on it.
+__device__ __forceinline__ void mbar_arm(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// A tile: n rows of one expert of W in shared memory, codes then scales then biases, each part rounded up to
+// 16 bytes (bulk copies move multiples of 16; the part read past a tensor's end is never used, and the weight
+// arena ends in padding). The host checks the 16-byte alignment of every row range a tile starts at.
+__host__ __device__ inline uint32_t tile_bytes(const LinDev& W, int n) {
+  return round16(uint64_t(n) * W.w_row) + (W.bits ? 2 * round16(uint64_t(n) * W.s_row) : 0);
+}
+// Rows [r0, r0 + n) of expert e into the tile at dst; by one thread, on a barrier armed for all its bytes.
+__device__ __forceinline__ void tile_load(const LinDev& W, int e, int r0, int n, uint8_t* dst, uint64_t* bar) {
+  const uint32_t wb = round16(uint64_t(n) * W.w_row);
+  bulk_load(dst, W.w + uint64_t(e) * W.w_expert + uint64_t(r0) * W.w_row, wb, bar);
+  if (W.bits) {
+    const uint64_t off = uint64_t(e) * W.s_expert + uint64_t(r0) * W.s_row;
+    const uint32_t sb = round16(uint64_t(n) * W.s_row);
+    bulk_load(dst + wb, W.s + off, sb, bar);
+    bulk_load(dst + wb + sb, W.b + off, sb, bar);
+  }
+}
+// The tile at src as a LinDev of n rows (one expert), for load_q4 and dequant32.
+__device__ __forceinline__ LinDev tile_view(const LinDev& W, const uint8_t* src, int n) {
+  LinDev v = W;
+  v.w = src;
+  if (W.bits) {
+    v.s = src + round16(uint64_t(n) * W.w_row);
+    v.b = v.s + round16(uint64_t(n) * W.s_row);
+  }
+  v.rows = n, v.w_expert = 0, v.s_expert = 0;
+  return v;
+}
+
+// The lane's columns of a staged row, c = 32·lane + 1024·u for u < U (rows of at most 1,024·U columns), with
+// each chunk's sum (dot_q4 needs it): held in registers up to two chunks, read from the staged row per use
+// beyond (the 4,096-column rows, one tile a block).
+template <int U>
+struct LaneX {
+  static constexpr bool kHeld = U <= 2;
+  float v[kHeld ? U : 1][32], sum[kHeld ? U : 1];
+  const float* xs;
+  __device__ __forceinline__ void load(const float* staged, int cols) {
+    xs = staged;
+    if constexpr (kHeld) {
+      const int lane = threadIdx.x & 31;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        sum[u] = 0.f;
+        if (lane * 32 + 1024 * u < cols) {
+          load_chunk(xs, lane * 32 + 1024 * u, v[u]);
+#pragma unroll
+          for (int k = 0; k < 32; ++k) sum[u] += v[u][k];
+        }
+      }
+    }
+  }
+  template <class F>
+  __device__ __forceinline__ void with(int u, int c0, F&& f) const {
+    if constexpr (kHeld) {
+      f(v[u], sum[u]);
+    } else {
+      float t[32], s = 0.f;
+      load_chunk(xs, c0, t);
+#pragma unroll
+      for (int k = 0; k < 32; ++k) s += t[k];
+      f(t, s);
+    }
+  }
+};
+
+// Row r of the tile T · x over the lane's columns (not yet summed over the warp); any format, 4-bit through
+// dot_q4.
+template <int U>
+__device__ __forceinline__ float tile_row_dot(const LinDev& T, int r, const LaneX<U>& x) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c0 = lane * 32 + 1024 * u;
+    if (c0 < T.cols)
+      x.with(u, c0, [&](const float* xv, float xsum) {
+        if (T.bits == 4) {
+          acc = dot_q4(load_q4(T, 0, r, c0), xv, xsum, acc);
+        } else {
+          float w[32];
+          dequant32(T, 0, r, c0, w);
+#pragma unroll
+          for (int k = 0; k < 32; ++k) acc = fmaf(w[k], xv[k], acc);
+        }
+      });
+  }
+  return acc;
+}
+
+// A block's tiles: tile i of block b is tile b + i·G of the kernel's list (G blocks), so every block starts
+// on the list's head (the tiles a kernel can issue earliest come first) and the blocks' shares differ by one.
+struct TileRing {
+  uint8_t* base;
+  uint32_t stage_bytes;
+  int stages, count;  // count: this block's tiles
+  uint64_t* full;     // [stages] barriers (shared)
+  __device__ __forceinline__ int tile(int i) const { return blockIdx.x + i * gridDim.x; }
+  __device__ __forceinline__ uint8_t* stage(int i) const { return base + (i % stages) * stage_bytes; }
+  __device__ __forceinline__ uint64_t* bar(int i) const { return full + i % stages; }
+  // by thread 0, before any other thread waits on the barriers (a __syncthreads between)
+  __device__ __forceinline__ void init() const {
+    for (int s = 0; s < stages; ++s) mbar_init(full + s);
+    mbar_init_fence();
+  }
+  __device__ __forceinline__ void wait(int i) const { mbar_wait(bar(i), (i / stages) & 1); }
+  // After tile i is consumed: every warp done with its stage, thread 0 issues tile i + stages into it.
+  template <class Issue>
+  __device__ __forceinline__ void refill(int i, Issue&& issue) const {
+    if (i + stages >= count) return;
+    __syncthreads();
+    if (threadIdx.x == 0) issue(i + stages);
+  }
+};
+
 // ---------------------------------------------------------------- one-row projections (GEMV)
 
-// Up to four matrices sharing one input row, their output rows numbered one after another.
+// Up to four matrices sharing one input row. Job j's rows come in tiles of tile_rows (a multiple of 8: a
+// tile's scales then start 16-byte aligned), numbered from tile_first[j].
 struct GemvJobs {
   LinDev W[4];
   float* out[4];
-  int first[5] = {0, 0, 0, 0, 0};  // first[j]: the first global row of job j; first[n] = total rows
-  int n = 0;
+  int tile_first[5] = {0, 0, 0, 0, 0};
+  int n = 0, tile_rows = 16;
   bool accumulate = false;
 };
 
-constexpr int kGemvWarps = 8;
-
-// Decode's GEMV shape: U = the 1,024-column rounds a row needs (a lane's 16-byte loads, 32 columns each),
-// R = 4 / U rows a warp at a time (R·U = 4 loads a lane in flight, twice that while the next rows stream in),
-// and a grid of at most two blocks an SM (what the registers allow) whose warps walk the rows: every block
-// stages x once, no partial last wave, and each warp issues its next rows' loads before it computes these.
-// Streamed: every job 4-bit, its rows a multiple of R and its columns at most 1,024·U; otherwise a row a warp
-// at a time through warp_dot_rows (any format, any size).
-struct GemvShape {
-  int R, U, blocks;
-  bool streamed;
-};
-inline GemvShape gemv_shape(const GemvJobs& jobs, int max_blocks) {
-  const int cols = jobs.W[0].cols, U = cols <= 1024 ? 1 : cols <= 2048 ? 2 : 4;
-  bool streamed = cols <= 1024 * U;
-  for (int j = 0; j < jobs.n; ++j) streamed = streamed && jobs.W[j].bits == 4 && jobs.W[j].rows % (4 / U) == 0;
-  const int R = streamed ? 4 / U : 1, groups = jobs.first[jobs.n] / R;
-  return {R, U, std::min((groups + kGemvWarps - 1) / kGemvWarps, max_blocks), streamed};
-}
-
-// f(W) for job j, with the job's parameters at fixed offsets (a runtime index into a kernel parameter array
+// f(W_j, out_j), with the job's parameters at fixed offsets (a runtime index into a kernel parameter array
 // makes the compiler copy the whole array to local memory).
 template <class F>
 __device__ __forceinline__ void with_job(const GemvJobs& jobs, int j, F&& f) {
   switch (j) {
-    case 0: f(jobs.W[0]); break;
-    case 1: f(jobs.W[1]); break;
-    case 2: f(jobs.W[2]); break;
-    default: f(jobs.W[3]); break;
+    case 0: f(jobs.W[0], jobs.out[0]); break;
+    case 1: f(jobs.W[1], jobs.out[1]); break;
+    case 2: f(jobs.W[2], jobs.out[2]); break;
+    default: f(jobs.W[3], jobs.out[3]); break;
   }
 }
 
-// out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null); `xn_out`, when given, receives the staged row
-// (block 0), for the ops after a fused norm that read xn.
-template <int R, int U, bool kStreamed>
-__global__ void __launch_bounds__(kGemvWarps * 32, 2) gemv_kernel(GemvJobs jobs, const float* x, int cols,
-                                                                   const float* norm, float eps, float* xn_out) {
-  extern __shared__ float xs[];
+// out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null), rows of at most 1,024·U columns; `xn_out`, when
+// given, receives the staged row (block 0), for the ops after a fused norm that read xn. Shared memory:
+// [stages · stage_bytes] tiles, then the staged row. Each warp takes the tile's rows warp, warp + 8, ….
+template <int U>
+__global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(GemvJobs jobs, const float* x, int cols,
+                                                                  const float* norm, float eps, float* xn_out,
+                                                                  int stages, uint32_t stage_bytes) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ uint64_t full[kMaxStages];
   __shared__ float scratch[32];
-  __shared__ int first[5];  // the jobs' row ranges and outputs, indexed at run time
-  __shared__ float* outs[4];
-  const int lane = threadIdx.x & 31, stride = gridDim.x * kGemvWarps;
-  if (threadIdx.x == 0) {
-    first[0] = jobs.first[0], first[1] = jobs.first[1], first[2] = jobs.first[2], first[3] = jobs.first[3];
-    first[4] = jobs.first[4];
-    outs[0] = jobs.out[0], outs[1] = jobs.out[1], outs[2] = jobs.out[2], outs[3] = jobs.out[3];
-  }
-  __syncthreads();
-  const int total = first[jobs.n], groups = total / R;
-  auto job_of = [&](int r) {
-    int j = 0;
-    while (j + 1 < jobs.n && r >= first[j + 1]) ++j;
-    return j;
-  };
-  auto store = [&](int j, int row, float v) {
-    float* o = outs[j] + row;
-    *o = jobs.accumulate ? *o + v : v;
-  };
-  int g = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
   start_next_kernel();
-  Q4Rows<R, U, 1> cur, next;
-  auto load = [&](Q4Rows<R, U, 1>& q, int group) {
-    const int j = job_of(group * R);
-    with_job(jobs, j, [&](const LinDev& W) { q.load(W, W, 0, group * R - first[j], W.rows, 0); });
+  const int tiles = jobs.tile_first[jobs.n], TR = jobs.tile_rows;
+  const TileRing ring{smem, stage_bytes, stages, (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x),
+                      full};
+  auto locate = [&](int i, int& j, int& r0) {
+    const int t = ring.tile(i);
+    j = 0;
+    while (j + 1 < jobs.n && t >= jobs.tile_first[j + 1]) ++j;
+    r0 = (t - jobs.tile_first[j]) * TR;
   };
-  if (kStreamed && g < groups) load(cur, g);  // before the wait: weights are no kernel's output
+  auto issue = [&](int i) {
+    int j, r0;
+    locate(i, j, r0);
+    with_job(jobs, j, [&](const LinDev& W, float*) {
+      const int n = min(TR, W.rows - r0);
+      mbar_arm(ring.bar(i), tile_bytes(W, n));
+      tile_load(W, 0, r0, n, ring.stage(i), ring.bar(i));
+    });
+  };
+  if (threadIdx.x == 0) {
+    ring.init();
+    for (int i = 0; i < min(stages, ring.count); ++i) issue(i);  // before the wait: weights are no kernel's output
+  }
   wait_previous_kernel();
-  stage_row(x, cols, norm, eps, xs, scratch);
+  float* xs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
+  stage_row(x, cols, norm, eps, xs, scratch);  // its barrier also publishes the ring's initialisation
   if (xn_out && blockIdx.x == 0)
     for (int c = threadIdx.x; c < cols; c += blockDim.x) xn_out[c] = xs[padded(c)];
-  for (; g < groups; g += stride) {
-    const int j = job_of(g * R), row = g * R - first[j];
-    if (kStreamed) {
-      if (g + stride < groups) load(next, g + stride);
-      float acc[1][R] = {}, v;
-      cur.dot(xs, cols, 0, acc);
-      warp_reduce_rows<R, 1>(acc, &v);
-      if (lane < R) store(j, row + lane, v);
-      cur = next;
-    } else {
-      with_job(jobs, j, [&](const LinDev& W) {
-        float v;
-        warp_dot_rows<1, U, 1>(W, W, 0, row, W.rows, xs, &v);
-        if (lane == 0) store(j, row, v);
-      });
-    }
+  LaneX<U> xl;
+  xl.load(xs, cols);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = 0; i < ring.count; ++i) {
+    ring.wait(i);
+    int j, r0;
+    locate(i, j, r0);
+    with_job(jobs, j, [&](const LinDev& W, float* out) {
+      const int n = min(TR, W.rows - r0);
+      const LinDev T = tile_view(W, ring.stage(i), n);
+      for (int r = warp; r < n; r += kDecodeWarps) {
+        const float v = warp_sum(tile_row_dot<U>(T, r, xl));
+        if (lane == 0) out[r0 + r] = jobs.accumulate ? out[r0 + r] + v : v;
+      }
+    });
+    ring.refill(i, issue);
   }
 }
-
 // ---------------------------------------------------------------- small row ops
 
 // x[t] ← E[tokens[t]]; a token outside [0, V) (only a device-selected one can be) gives a zero row.
@@ -843,151 +883,266 @@ __global__ void moe_combine_kernel(float* x, const float* Y, const float* SY, co
   }
 }
 
-// Decode: the route (top-k of the router logits, recomputed by every block: cheaper than a kernel of its own
-// between the router GEMV and this one; block 0 stores it for moe_down_kernel, and every block prefetches a
-// share of each slot's down projection into L2 for that kernel), then h_s ← SiLU(gate_e · xn) ⊙ (up_e · xn)
-// for the K routed experts e = ids[s] and the shared expert (slot K). The (slot, row) items are walked by the
-// warps as gemv_kernel walks rows: a row's gate and up loads (U rounds of 1,024 columns) issued before the
-// previous row is computed.
-template <int U, bool kStreamed>
-__global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_gate_up_kernel(LinDev gate, LinDev up, LinDev sgate,
-                                                                          LinDev sup, LinDev down, LinDev sdown,
-                                                                          const float* xn, int H,
-                                                                          const float* router, int E, int K,
-                                                                          int32_t* ids, float* weights, float* h,
-                                                                          int ldh) {
-  extern __shared__ float xs[];  // the staged xn, then E floats for the top-k
+// Decode's experts. The routed experts' tiles depend on the route (the top-k of the router logits, which every
+// block recomputes: cheaper than a kernel of its own between the router GEMV and this one); the shared
+// expert's do not, so its tiles head the list and go out before the wait. Tiles: tile_rows rows of gate and
+// the same rows of up, one slot each (slot K: the shared expert); tiles [0, shared_tiles) are the shared
+// expert's, then K · routed_tiles. h_s ← SiLU(gate_e · xn) ⊙ (up_e · xn) for e = ids[s] (s < K). Block 0
+// stores the route for moe_down_kernel, and every block prefetches a share of each slot's down projection
+// into L2 for it.
+struct MoeDecode {
+  LinDev gate, up, sgate, sup, down, sdown;
+  int K, E, ldh;  // ldh: h's row stride, the wider of the two experts' widths
+  static constexpr int kTileRows = 8;  // gate/up tiles: a row a warp
+  __host__ __device__ int shared_tiles() const { return (sgate.rows + kTileRows - 1) / kTileRows; }
+  __host__ __device__ int routed_tiles() const { return (gate.rows + kTileRows - 1) / kTileRows; }
+  __host__ __device__ int gate_up_tiles() const { return shared_tiles() + K * routed_tiles(); }
+  __host__ __device__ uint32_t gate_up_stage_bytes() const {
+    const uint32_t routed = tile_bytes(gate, kTileRows) + tile_bytes(up, kTileRows);
+    const uint32_t shared = tile_bytes(sgate, kTileRows) + tile_bytes(sup, kTileRows);
+    return routed > shared ? routed : shared;
+  }
+  // the staged xn and the router logits
+  __host__ __device__ uint32_t gate_up_extra(int H) const { return (padded_floats(H) + E) * sizeof(float); }
+  __host__ __device__ uint32_t down_stage_bytes(int tr) const { return K * tile_bytes(down, tr) + tile_bytes(sdown, tr); }
+  // the staged h, the route's weights and ids
+  __host__ __device__ uint32_t down_extra() const { return (padded_floats((K + 1) * ldh) + 2 * K) * sizeof(float); }
+};
+
+template <int U>
+__global__ void __launch_bounds__(kDecodeThreads, 2) moe_gate_up_kernel(MoeDecode m, const float* xn, int H,
+                                                                         const float* router, int32_t* ids,
+                                                                         float* weights, float* h, int stages,
+                                                                         uint32_t stage_bytes) {
+  extern __shared__ __align__(16) uint8_t smem[];  // tiles, then the staged xn, then E floats for the top-k
+  __shared__ uint64_t full[kMaxStages];
   __shared__ int route[kMaxTopK];
   __shared__ float route_w[kMaxTopK];
-  const int lane = threadIdx.x & 31, items = (K + 1) * ldh, stride = gridDim.x * kGemvWarps;
   start_next_kernel();
-  wait_previous_kernel();
-  stage(xn, H, xs);
-  block_topk(router, xs + padded_floats(H), E, K, route, route_w);
-  if (blockIdx.x == 0 && threadIdx.x < K) ids[threadIdx.x] = route[threadIdx.x], weights[threadIdx.x] = route_w[threadIdx.x];
-  if (threadIdx.x <= K) {  // this block's share of slot threadIdx.x's down projection (H rows) into L2
-    const int per = (down.rows + gridDim.x - 1) / gridDim.x, r0 = blockIdx.x * per;
-    if (threadIdx.x == K) prefetch_rows(sdown, 0, r0, min(r0 + per, sdown.rows));
-    else prefetch_rows(down, route[threadIdx.x], r0, min(r0 + per, down.rows));
-  }
-  // item i = (slot i / ldh, row i % ldh); the shared expert's matrices for slot K (a branch on the slot: a
-  // reference chosen between two kernel parameters would copy both to local memory)
-  Q4Rows<1, U, 2> cur, next;
-  auto load = [&](Q4Rows<1, U, 2>& q, int i) {
-    const int slot = i / ldh, r = i % ldh;
-    if (slot == K) {
-      if (r < sgate.rows) q.load(sgate, sup, 0, r, sgate.rows, 0);
-    } else if (r < gate.rows) {
-      q.load(gate, up, route[slot], r, gate.rows, 0);
+  const int TR = MoeDecode::kTileRows, tiles = m.gate_up_tiles(), shared_tiles = m.shared_tiles();
+  const TileRing ring{smem, stage_bytes, stages, (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x),
+                      full};
+  // tile i → (slot, first row); f(gate, up, expert, slot, r0, n)
+  auto with_tile = [&](int i, auto&& f) {
+    const int t = ring.tile(i);
+    if (t < shared_tiles) {
+      f(m.sgate, m.sup, 0, m.K, t * TR, min(TR, m.sgate.rows - t * TR));
+    } else {
+      const int slot = (t - shared_tiles) / m.routed_tiles(), r0 = (t - shared_tiles) % m.routed_tiles() * TR;
+      f(m.gate, m.up, route[slot], slot, r0, min(TR, m.gate.rows - r0));
     }
   };
-  int it = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
-  if (kStreamed && it < items) load(cur, it);
-  for (; it < items; it += stride) {
-    const int slot = it / ldh, r = it % ldh;
-    float gu[2];
-    if (kStreamed) {
-      if (it + stride < items) load(next, it + stride);
-      float acc[2][1] = {};
-      cur.dot(xs, H, 0, acc);
-      warp_reduce_rows<1, 2>(acc, gu);
-      cur = next;
-    } else if (slot == K) {
-      if (r < sgate.rows) warp_dot_rows<1, U, 2>(sgate, sup, 0, r, sgate.rows, xs, gu);
-    } else if (r < gate.rows) {
-      warp_dot_rows<1, U, 2>(gate, up, route[slot], r, gate.rows, xs, gu);
-    }
-    if (lane == 0 && r < (slot == K ? sgate.rows : gate.rows)) h[slot * ldh + r] = siluf_(gu[0]) * gu[1];
+  auto issue = [&](int i) {
+    with_tile(i, [&](const LinDev& G, const LinDev& Up, int e, int, int r0, int n) {
+      const uint32_t gb = tile_bytes(G, n);
+      mbar_arm(ring.bar(i), gb + tile_bytes(Up, n));
+      tile_load(G, e, r0, n, ring.stage(i), ring.bar(i));
+      tile_load(Up, e, r0, n, ring.stage(i) + gb, ring.bar(i));
+    });
+  };
+  const int first = min(stages, ring.count);
+  int issued = 0;  // thread 0's count of tiles issued
+  if (threadIdx.x == 0) {
+    ring.init();
+    while (issued < first && ring.tile(issued) < shared_tiles) issue(issued++);  // before the wait
+  }
+  wait_previous_kernel();
+  float* xs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
+  stage(xn, H, xs);
+  block_topk(router, xs + padded_floats(H), m.E, m.K, route, route_w);  // its barriers publish xs and the ring
+  if (threadIdx.x == 0)
+    while (issued < first) issue(issued++);
+  if (blockIdx.x == 0 && threadIdx.x < m.K) ids[threadIdx.x] = route[threadIdx.x], weights[threadIdx.x] = route_w[threadIdx.x];
+  if (threadIdx.x <= m.K) {  // this block's share of slot threadIdx.x's down projection (H rows) into L2
+    const int per = (m.down.rows + gridDim.x - 1) / gridDim.x, r0 = blockIdx.x * per;
+    if (threadIdx.x == m.K) prefetch_rows(m.sdown, 0, r0, min(r0 + per, m.sdown.rows));
+    else prefetch_rows(m.down, route[threadIdx.x], r0, min(r0 + per, m.down.rows));
+  }
+  LaneX<U> xl;
+  xl.load(xs, H);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = 0; i < ring.count; ++i) {
+    ring.wait(i);
+    with_tile(i, [&](const LinDev& G, const LinDev& Up, int, int slot, int r0, int n) {
+      const LinDev TG = tile_view(G, ring.stage(i), n), TU = tile_view(Up, ring.stage(i) + tile_bytes(G, n), n);
+      for (int r = warp; r < n; r += kDecodeWarps) {
+        const float g = warp_sum(tile_row_dot<U>(TG, r, xl)), u = warp_sum(tile_row_dot<U>(TU, r, xl));
+        if (lane == 0) h[slot * m.ldh + r0 + r] = siluf_(g) * u;
+      }
+    });
+    ring.refill(i, issue);
   }
 }
 
-// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]. A warp per row, its
-// lanes over the (expert, 32-column chunk) pairs of the row, CH a lane; the warps walk the rows as gemv_kernel
-// does, each issuing its next row's loads (already in L2: moe_gate_up_kernel prefetched them) before it
-// computes the current one. CH = 0: other formats or wider rows, a row at a time through warp_dot_row.
-template <int CH>
-__global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_down_kernel(LinDev down, LinDev sdown, const float* h,
-                                                                       int ldh, const int32_t* ids, const float* w,
-                                                                       const float* sg, int K, float* x) {
-  extern __shared__ float hs[];  // [(K + 1) · ldh] h (padded), then the K routing weights and expert ids
-  float* ws = hs + padded_floats((K + 1) * ldh);
-  int* es = reinterpret_cast<int*>(ws + K);
+// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]. A tile: tile_rows (≤ 16)
+// output rows of all K + 1 slots' down projections (already in L2: moe_gate_up_kernel prefetched them), the
+// routed slots' parts slot_bytes apart, the shared expert's last. A thread owns (slot, 32-column chunk) pairs,
+// holding the pair's h while it walks the tile's rows, and the block sums each row's pairs.
+constexpr int kDownTileRows = 16;
+__global__ void __launch_bounds__(kDecodeThreads, 2) moe_down_kernel(MoeDecode m, const float* h, const float* sg,
+                                                                      const int32_t* ids, const float* w, float* x,
+                                                                      int tile_rows, int stages,
+                                                                      uint32_t stage_bytes) {
+  extern __shared__ __align__(16) uint8_t smem[];  // tiles, then h (padded), then the K weights and expert ids
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ float partial[kDecodeWarps][kDownTileRows];
   start_next_kernel();
+  const int K = m.K, TR = tile_rows, tiles = (m.down.rows + TR - 1) / TR;
+  const TileRing ring{smem, stage_bytes, stages, (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x),
+                      full};
+  float* hs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
+  float* ws = hs + padded_floats((K + 1) * m.ldh);
+  int* es = reinterpret_cast<int*>(ws + K);
+  const uint32_t slot_bytes = tile_bytes(m.down, TR);
+  auto rows_of = [&](int i) { return min(TR, m.down.rows - ring.tile(i) * TR); };
+  auto issue = [&](int i) {
+    const int n = rows_of(i), r0 = ring.tile(i) * TR;
+    mbar_arm(ring.bar(i), K * tile_bytes(m.down, n) + tile_bytes(m.sdown, n));
+    for (int j = 0; j <= K; ++j)
+      tile_load(j < K ? m.down : m.sdown, j < K ? es[j] : 0, r0, n, ring.stage(i) + j * slot_bytes, ring.bar(i));
+  };
+  if (threadIdx.x == 0) ring.init();
   wait_previous_kernel();
-  stage(h, (K + 1) * ldh, hs);
   if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
   __syncthreads();
-  const int lane = threadIdx.x & 31, stride = gridDim.x * kGemvWarps;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < min(stages, ring.count); ++i) issue(i);
+  stage(h, (K + 1) * m.ldh, hs);
+  __syncthreads();
   const float shared_w = sigmoidf_(*sg);
-  const int n = down.cols / 32, items = (K + 1) * n;
-  Q4Chunk cur[CH > 0 ? CH : 1], next[CH > 0 ? CH : 1];
-  auto load = [&](Q4Chunk* c, int r) {
+  // pairs: the routed slots' chunks (down.cols / 32 each), then the shared expert's (sdown.cols / 32)
+  const int chunks = m.down.cols / 32, pairs = K * chunks + m.sdown.cols / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = 0; i < ring.count; ++i) {
+    ring.wait(i);
+    const int n = rows_of(i), r0 = ring.tile(i) * TR;
+    float acc[kDownTileRows];
 #pragma unroll
-    for (int b = 0; b < CH; ++b) {
-      const int it = lane + 32 * b, j = it / n, c0 = (it % n) * 32;
-      if (it < items) c[b] = j < K ? load_q4(down, es[j], r, c0) : load_q4(sdown, 0, r, c0);
-    }
-  };
-  int r = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
-  if (CH > 0 && r < down.rows) load(cur, r);
-  for (; r < down.rows; r += stride) {
-    float acc = 0.f;
-    if (CH > 0) {
-      if (r + stride < down.rows) load(next, r + stride);
+    for (int r = 0; r < kDownTileRows; ++r) acc[r] = 0.f;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+      const int j = min(p / chunks, K), c0 = (p - j * chunks) * 32;
+      const LinDev T = tile_view(j < K ? m.down : m.sdown, ring.stage(i) + j * slot_bytes, n);
+      float hv[32], hsum = 0.f;
+      load_chunk(hs, j * m.ldh + c0, hv);
 #pragma unroll
-      for (int b = 0; b < CH; ++b) {
-        const int it = lane + 32 * b, j = it / n, c0 = (it % n) * 32;
-        if (it >= items) break;
-        float hv[32];
-        load_chunk(hs, j * ldh + c0, hv);
-        float hsum = 0.f;
+      for (int k = 0; k < 32; ++k) hsum += hv[k];
+      const float wj = j < K ? ws[j] : shared_w;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) hsum += hv[k];
-        acc += (j < K ? ws[j] : shared_w) * dot_q4(cur[b], hv, hsum, 0.f);
-        cur[b] = next[b];
+      for (int r = 0; r < kDownTileRows; ++r) {
+        if (r >= n) break;
+        float d = 0.f;
+        if (T.bits == 4) {
+          d = dot_q4(load_q4(T, 0, r, c0), hv, hsum, 0.f);
+        } else {
+          float v[32];
+          dequant32(T, 0, r, c0, v);
+#pragma unroll
+          for (int k = 0; k < 32; ++k) d = fmaf(v[k], hv[k], d);
+        }
+        acc[r] = fmaf(wj, d, acc[r]);
       }
-      acc = warp_sum(acc);
-    } else {
-      for (int j = 0; j < K; ++j) acc += ws[j] * warp_dot_row(down, es[j], r, hs + padded(j * ldh));
-      acc += shared_w * warp_dot_row(sdown, 0, r, hs + padded(K * ldh));
     }
-    if (lane == 0) x[r] += acc;
+#pragma unroll
+    for (int r = 0; r < kDownTileRows; ++r) {
+      const float v = warp_sum(acc[r]);
+      if (lane == 0) partial[warp][r] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+      float s = 0.f;
+#pragma unroll
+      for (int q = 0; q < kDecodeWarps; ++q) s += partial[q][threadIdx.x];
+      x[r0 + threadIdx.x] += s;
+    }
+    __syncthreads();  // partial is rewritten by the next tile, and the stage refilled
+    ring.refill(i, issue);
   }
+}
+
+// ---------------------------------------------------------------- the decode kernels' launch geometry (host)
+
+// A decode kernel's grid over `tiles` tiles of stage_bytes each, with `extra` bytes of shared memory beside
+// them: a block an SM, so that the next kernel's block fits beside it (two an SM where the tiles outnumber
+// what one block's stages hold, as the logits' projection's do), and as many stages as a block has tiles, up
+// to the budget.
+struct DecodeGrid {
+  int blocks, stages;
+  size_t smem;
+};
+inline DecodeGrid decode_grid(int tiles, uint32_t stage_bytes, uint32_t extra, int sms, const std::string& what) {
+  const int fit = extra < kDecodeSmem ? std::min<int>((kDecodeSmem - extra) / stage_bytes, kMaxStages) : 0;
+  if (fit < 1)
+    throw std::invalid_argument("[cuda] " + what + ": a tile of " + std::to_string(stage_bytes) + " bytes and " +
+                                std::to_string(extra) + " more exceed a decode block's shared memory (" +
+                                std::to_string(kDecodeSmem) + ")");
+  const int blocks = std::min(tiles, tiles > fit * sms ? 2 * sms : sms);
+  const int stages = std::min((tiles + blocks - 1) / blocks, fit);
+  return {blocks, stages, size_t(stages) * stage_bytes + extra};
+}
+
+inline uint32_t gemv_row_bytes(int cols) { return padded_floats(cols) * sizeof(float); }
+
+// The jobs' tiles: 16 rows where two stages fit a block's shared memory, else 8; returns a stage's bytes.
+inline uint32_t plan_gemv(GemvJobs& jobs) {
+  auto stage_for = [&](int tr) {
+    uint32_t b = 0;
+    for (int j = 0; j < jobs.n; ++j) b = std::max(b, tile_bytes(jobs.W[j], tr));
+    return b;
+  };
+  jobs.tile_rows = 2 * stage_for(16) + gemv_row_bytes(jobs.W[0].cols) <= kDecodeSmem ? 16 : 8;
+  for (int j = 0; j < jobs.n; ++j)
+    jobs.tile_first[j + 1] = jobs.tile_first[j] + (jobs.W[j].rows + jobs.tile_rows - 1) / jobs.tile_rows;
+  return stage_for(jobs.tile_rows);
+}
+
+// The experts' down tiles: 16 output rows where that still gives every SM a tile, else 8.
+inline int moe_down_tile_rows(int H, int sms) { return H / kDownTileRows >= sms ? kDownTileRows : 8; }
+
+// make(std::integral_constant<int, U>) for rows of at most 1,024·U columns.
+template <class Make>
+auto by_cols(int cols, Make&& make) -> decltype(make(std::integral_constant<int, 1>{})) {
+  if (cols <= 1024) return make(std::integral_constant<int, 1>{});
+  if (cols <= 2048) return make(std::integral_constant<int, 2>{});
+  if (cols <= 4096) return make(std::integral_constant<int, 4>{});
+  if (cols <= 8192) return make(std::integral_constant<int, 8>{});
+  throw std::invalid_argument("[cuda] a decode row of " + std::to_string(cols) + " columns (at most 8192)");
 }
 
 // ---------------------------------------------------------------- token selection
 
-// The first maximum of logits[V] into *token (greedy, no penalties): one block.
-__global__ void argmax_kernel(const float* logits, int V, int32_t* token) {
-  __shared__ float bv[32];
-  __shared__ int bi[32];
+// The first maximum of logits[V] into *token (greedy, no penalties), by a grid of blocks: each folds its share
+// into one 64-bit key (the value's bits made to order as unsigned, then the complement of the index: ties go
+// to the lower id) with atomicMax, and the last block to finish writes the token and clears the key and the
+// count for the next step (a single block reading the whole row was DRAM-latency-bound: ~100 µs a step).
+struct ArgmaxSlot {
+  unsigned long long key;
+  unsigned int done;
+};
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+  const uint32_t b = __float_as_uint(v), ordered = (b & 0x80000000u) ? ~b : b | 0x80000000u;
+  return (uint64_t(ordered) << 32) | uint32_t(~uint32_t(i));
+}
+__global__ void argmax_kernel(const float* logits, int V, ArgmaxSlot* slot, int32_t* token) {
+  __shared__ unsigned long long best_of[32];
   start_next_kernel();
   wait_previous_kernel();
-  float best = -INFINITY;
-  int idx = 1 << 30;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = logits[i];
-    if (v > best) best = v, idx = i;  // i grows per thread: the first maximum of this thread's share
-  }
+  unsigned long long best = 0;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x)
+    best = max(best, argmax_key(logits[i], i));
 #pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-    if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
-  }
+  for (int o = 16; o; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) bv[warp] = best, bi[warp] = idx;
+  if (lane == 0) best_of[warp] = best;
   __syncthreads();
-  if (warp == 0) {
-    best = lane < (blockDim.x >> 5) ? bv[lane] : -INFINITY;
-    idx = lane < (blockDim.x >> 5) ? bi[lane] : 1 << 30;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-      if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+  if (threadIdx.x == 0) {
+    for (int q = 1; q < int(blockDim.x >> 5); ++q) best = max(best, best_of[q]);
+    atomicMax(&slot->key, best);
+    __threadfence();
+    if (atomicAdd(&slot->done, 1u) == gridDim.x - 1) {
+      const unsigned long long k = atomicExch(&slot->key, 0ull);
+      *token = int32_t(~uint32_t(k));
+      slot->done = 0;
     }
-    if (lane == 0) *token = idx;
   }
 }
 
