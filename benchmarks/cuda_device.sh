@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One call on a lent CUDA machine (an H200): build lily._core with the CUDA backend, run the CUDA tests, build
 # the full-size synthetic checkpoint and measure it (benchmarks/cuda_bench.py, then `lily bench --backend
-# cuda`). Logs and JSON go to $OUT (default ./out). Steps: STEPS="build kernels test synth bench" (default all;
-# kernels: benchmarks/cuda/prefill_kernels.cu, under compute-sanitizer on its small shapes, then in full, timing
-# the earlier kernels too when build/old_kernels.cuh, a copy of them in namespace lily::old, was carried).
+# cuda`). Logs and JSON go to $OUT (default ./out). Steps: STEPS="build kernels decode test synth bench" (default
+# all; kernels / decode: benchmarks/cuda/prefill_kernels.cu / decode_kernels.cu, each under compute-sanitizer on
+# its small shapes, then in full; kernels times the earlier prefill kernels too when build/old_kernels.cuh, a
+# copy of them in namespace lily::old, was carried).
 # Tiny test models: $LILY_TEST_MODELS (carried: the mlx kinds cannot be built without mlx there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-build kernels test synth bench chunk512 lilybench}  # also: profile ncu
+STEPS=${STEPS:-build kernels decode test synth bench chunk512 lilybench}  # also: profile ncu
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
@@ -37,6 +38,15 @@ if has kernels; then
   timeout 240 compute-sanitizer --tool memcheck build/prefill_kernels --small >"$OUT/kernels_memcheck.log" 2>&1
   tail -4 "$OUT/kernels_memcheck.log"
   timeout 300 build/prefill_kernels 2>&1 | tee "$OUT/prefill_kernels.log"
+fi
+if has decode; then
+  log "decode kernels"
+  mkdir -p build
+  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
+    -o build/decode_kernels >"$OUT/decode_build.log" 2>&1 || tail -20 "$OUT/decode_build.log"
+  timeout 120 compute-sanitizer --tool memcheck build/decode_kernels --small >"$OUT/decode_memcheck.log" 2>&1
+  tail -4 "$OUT/decode_memcheck.log"
+  timeout 300 build/decode_kernels 2>&1 | tee "$OUT/decode_kernels.log"
 fi
 if has test; then
   log tests

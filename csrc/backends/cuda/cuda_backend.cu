@@ -106,7 +106,7 @@ class CudaBackend final : public Backend {
     tok_dev_ = device_alloc<int32_t>(1);
     argmax_slot_ = device_alloc<ArgmaxSlot>(1);
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
-    allow_decode_smem();
+    CK(allow_decode_smem());
     pos_dev_ = device_alloc<int64_t>(1);
   }
 
@@ -714,16 +714,6 @@ class CudaBackend final : public Backend {
   void select_greedy() {
     launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, act(Act::logits), c_.vocab,
                      argmax_slot_, tok_dev_);
-  }
-
-  // The decode kernels' shared memory beyond the default 48 KB.
-  static void allow_decode_smem() {
-    auto allow = [](auto kernel) {
-      CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem)));
-    };
-    allow(gemv_kernel<1>), allow(gemv_kernel<2>), allow(gemv_kernel<4>), allow(gemv_kernel<8>);
-    allow(moe_gate_up_kernel<1>), allow(moe_gate_up_kernel<2>), allow(moe_gate_up_kernel<4>);
-    allow(moe_gate_up_kernel<8>), allow(moe_down_kernel);
   }
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {

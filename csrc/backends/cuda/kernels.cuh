@@ -4,6 +4,7 @@
 // and are dequantised 32 columns at a time, the unit of every kernel's weight loads (16 bytes of 4-bit codes).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -1098,6 +1099,9 @@ inline uint32_t plan_gemv(GemvJobs& jobs) {
 // The experts' down tiles: 16 output rows where that still gives every SM a tile, else 8.
 inline int moe_down_tile_rows(int H, int sms) { return H / kDownTileRows >= sms ? kDownTileRows : 8; }
 
+// The decode kernels' shared memory beyond the default 48 KB (once, before their first launch).
+inline cudaError_t allow_decode_smem();
+
 // make(std::integral_constant<int, U>) for rows of at most 1,024·U columns.
 template <class Make>
 auto by_cols(int cols, Make&& make) -> decltype(make(std::integral_constant<int, 1>{})) {
@@ -1144,6 +1148,18 @@ __global__ void argmax_kernel(const float* logits, int V, ArgmaxSlot* slot, int3
       slot->done = 0;
     }
   }
+}
+
+inline cudaError_t allow_decode_smem() {
+  cudaError_t e = cudaSuccess;
+  auto allow = [&](auto kernel) {
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem));
+  };
+  allow(gemv_kernel<1>), allow(gemv_kernel<2>), allow(gemv_kernel<4>), allow(gemv_kernel<8>);
+  allow(moe_gate_up_kernel<1>), allow(moe_gate_up_kernel<2>), allow(moe_gate_up_kernel<4>);
+  allow(moe_gate_up_kernel<8>), allow(moe_down_kernel);
+  return e;
 }
 
 }  // namespace lily::cuda

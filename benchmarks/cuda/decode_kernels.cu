@@ -1,0 +1,437 @@
+// Correctness and speed of the CUDA backend's decode kernels (kernels.cuh: gemv_kernel, moe_gate_up_kernel,
+// moe_down_kernel, argmax_kernel) on fresh random data, each against a naive fp32 reference kernel in this file,
+// with the launch geometry the backend uses (plan_gemv, decode_grid, moe_down_tile_rows); exits 1 on a failure.
+//
+//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
+//        -o build/decode_kernels && build/decode_kernels
+//
+// `--small` runs only the small shapes, untimed (for compute-sanitizer). Timing: 40 launches captured in a
+// CUDA graph with programmatic dependent launch, as the decode step runs, each on its own copy of the weights
+// (so they come from DRAM, not L2), the median of 10 replays; then a step's worth of the model's projections
+// and experts (40 layers, distinct weights, and the logits' projection and argmax) the same way.
+#include "harness.cuh"
+
+using namespace lily::cuda;
+using namespace lily::cuda::harness;
+
+namespace {
+
+int sms = 0;
+cudaStream_t stream;
+
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cfg.attrs = &attr, cfg.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
+}
+
+// Median microseconds of one `body()` (which issues `per` launches into `stream`), captured as a graph.
+template <class F>
+double graph_us(F&& body, int per) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  body();
+  CK(cudaStreamEndCapture(stream, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  CK(cudaGraphLaunch(ge, stream));
+  CK(cudaStreamSynchronize(stream));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < 10; ++i) {
+    CK(cudaEventRecord(a, stream));
+    CK(cudaGraphLaunch(ge, stream));
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float t = 0.f;
+    CK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CK(cudaGetLastError());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return median(ms) * 1e3 / per;
+}
+
+uint64_t weight_bytes(const LinDev& W) { return uint64_t(W.rows) * (W.w_row + 2 * W.s_row); }
+
+// `copies` copies of W's tensors (one expert) side by side: the timed launches each read their own.
+std::vector<LinDev> copies_of(const LinDev& W, int copies, std::vector<void*>& owned) {
+  std::vector<LinDev> out;
+  for (int c = 0; c < copies; ++c) {
+    LinDev d = W;
+    auto copy = [&](const uint8_t*& dst, const uint8_t* src, uint64_t bytes) {
+      if (!src) return;
+      void* p = nullptr;
+      CK(cudaMalloc(&p, bytes + 256));
+      CK(cudaMemcpy(p, src, bytes, cudaMemcpyDeviceToDevice));
+      owned.push_back(p);
+      dst = static_cast<const uint8_t*>(p);
+    };
+    copy(d.w, W.w, W.rows * W.w_row);
+    copy(d.s, W.s, W.rows * W.s_row);
+    copy(d.b, W.b, W.rows * W.s_row);
+    out.push_back(d);
+  }
+  return out;
+}
+
+// y[r] (+)= Σ_c W_e[r, c] · x[c], a thread a row, the weight decoded element by element.
+__global__ void ref_gemv_kernel(LinDev W, int e, const float* x, float* y, bool accumulate) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= W.rows) return;
+  float acc = 0.f;
+  for (int c = 0; c < W.cols; ++c) acc = fmaf(ref_weight(W, e, r, c), x[c], acc);
+  y[r] = accumulate ? y[r] + acc : acc;
+}
+std::vector<float> ref_gemv(const LinDev& W, int e, const std::vector<float>& x) {
+  float* dx = upload(x);
+  float* dy = nullptr;
+  CK(cudaMalloc(&dy, W.rows * 4));
+  ref_gemv_kernel<<<(W.rows + 127) / 128, 128>>>(W, e, dx, dy, false);
+  CK(cudaGetLastError());
+  auto y = download(dy, W.rows);
+  cudaFree(dx), cudaFree(dy);
+  return y;
+}
+
+std::vector<float> rmsnorm(const std::vector<float>& x, const std::vector<float>& g, float eps) {
+  double ss = 0;
+  for (float v : x) ss += double(v) * v;
+  const double inv = 1.0 / std::sqrt(ss / x.size() + eps);
+  std::vector<float> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = float(x[i] * inv * g[i]);
+  return out;
+}
+
+void check(const char* what, const std::string& shape, const std::vector<float>& got, const std::vector<float>& ref,
+           double tol = 2e-5) {
+  const Err e = compare(got, ref);
+  const bool ok = e.max_rel <= tol && e.mean_rel <= tol;
+  if (!ok) ++failures;
+  std::printf("%-8s %-50s max %.2e mean %.2e %s\n", what, shape.c_str(), e.max_rel, e.mean_rel, ok ? "ok" : "FAIL");
+  std::fflush(stdout);
+}
+
+void print_time(const char* what, const std::string& shape, double us, uint64_t bytes) {
+  std::printf("%-8s %-50s %8.2f us  %6.2f TB/s\n", what, shape.c_str(), us, bytes / us * 1e-6);
+  std::fflush(stdout);
+}
+
+// ---------------------------------------------------------------- GEMV
+
+struct Job {
+  int rows, bits;
+};
+
+void launch_gemv(GemvJobs jobs, const float* x, int cols, const float* norm, float* xn_out) {
+  const uint32_t stage_bytes = plan_gemv(jobs);
+  const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), sms, "gemv");
+  launch(by_cols(cols, [](auto U) { return gemv_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
+         jobs, x, cols, norm, 1e-6f, xn_out, g.stages, stage_bytes);
+}
+
+// out_j (+)= W_j · (RMSNorm(x)·g or x) for the jobs, one input row; xn_out checked against the normed row.
+void gemv_case(const std::vector<Job>& js, int cols, bool norm, bool accumulate, bool time) {
+  std::string shape = "cols " + std::to_string(cols) + " rows";
+  for (const Job& j : js) shape += " " + std::to_string(j.rows) + (j.bits ? "q" + std::to_string(j.bits) : "bf16");
+  shape += norm ? " norm" : "";
+  shape += accumulate ? " acc" : "";
+  std::vector<Weights> w(js.size());
+  GemvJobs jobs;
+  std::vector<float*> outs;
+  std::vector<std::vector<float>> y0;
+  for (size_t i = 0; i < js.size(); ++i) {
+    make_weights(w[i], 1, js[i].rows, cols, js[i].bits, kBF16, kBF16, 64);
+    y0.push_back(random_floats(js[i].rows, -1.f, 1.f));
+    outs.push_back(upload(y0.back()));
+    jobs.W[jobs.n] = w[i].W, jobs.out[jobs.n] = outs.back(), ++jobs.n;
+  }
+  jobs.accumulate = accumulate;
+  const std::vector<float> x = random_floats(cols, -2.f, 2.f), g = random_floats(cols, 0.5f, 1.5f);
+  float *dx = upload(x), *dg = upload(g), *dxn = nullptr;
+  CK(cudaMalloc(&dxn, cols * 4));
+  launch_gemv(jobs, dx, cols, norm ? dg : nullptr, dxn);
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaGetLastError());
+  const std::vector<float> xhat = norm ? rmsnorm(x, g, 1e-6f) : x;
+  check("xn", shape, download(dxn, cols), xhat);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < js.size(); ++i) {
+    std::vector<float> ref = ref_gemv(w[i].W, 0, xhat);
+    if (accumulate)
+      for (int r = 0; r < js[i].rows; ++r) ref[r] += y0[i][r];
+    check("gemv", shape + " job " + std::to_string(i), download(outs[i], js[i].rows), ref);
+    bytes += weight_bytes(w[i].W);
+  }
+  if (time) {
+    const int copies = int(std::min<uint64_t>(40, (512ull << 20) / bytes + 1));
+    std::vector<void*> owned;
+    std::vector<std::vector<LinDev>> c;
+    for (auto& wi : w) c.push_back(copies_of(wi.W, copies, owned));
+    const double us = graph_us([&] {
+      for (int l = 0; l < 40; ++l) {
+        GemvJobs jl = jobs;
+        for (int i = 0; i < jobs.n; ++i) jl.W[i] = c[i][l % copies];
+        launch_gemv(jl, dx, cols, norm ? dg : nullptr, nullptr);
+      }
+    }, 40);
+    print_time("time", shape, us, bytes);
+    for (void* p : owned) cudaFree(p);
+  }
+  for (float* p : outs) cudaFree(p);
+  cudaFree(dx), cudaFree(dg), cudaFree(dxn);
+}
+
+// ---------------------------------------------------------------- experts
+
+struct Experts {
+  Weights gate, up, down, sgate, sup, sdown;
+  int H, I, Is, E, K;
+  MoeDecode plan() const {
+    return MoeDecode{gate.W, up.W, sgate.W, sup.W, down.W, sdown.W, K, E, std::max(I, Is)};
+  }
+};
+
+void make_experts(Experts& x, int H, int I, int Is, int E, int K) {
+  x.H = H, x.I = I, x.Is = Is, x.E = E, x.K = K;
+  make_weights(x.gate, E, I, H, 4, kBF16, kBF16, 64);
+  make_weights(x.up, E, I, H, 4, kBF16, kBF16, 64);
+  make_weights(x.down, E, H, I, 4, kBF16, kBF16, 64);
+  make_weights(x.sgate, 1, Is, H, 4, kBF16, kBF16, 64);
+  make_weights(x.sup, 1, Is, H, 4, kBF16, kBF16, 64);
+  make_weights(x.sdown, 1, H, Is, 4, kBF16, kBF16, 64);
+}
+
+struct MoeBuffers {
+  float *xn, *router, *h, *w, *sg, *x;
+  int32_t* ids;
+};
+
+void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H) {
+  const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), sms, "gate_up");
+  launch(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
+         md, (const float*)b.xn, H, (const float*)b.router, b.ids, b.w, b.h, g.stages, md.gate_up_stage_bytes());
+  const int tr = moe_down_tile_rows(H, sms);
+  const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), sms, "down");
+  launch(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, (const float*)b.h, (const float*)b.sg,
+         (const int32_t*)b.ids, (const float*)b.w, b.x, tr, d.stages, md.down_stage_bytes(tr));
+}
+
+float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// The route (top-k, ties to the lower id; softmax weights over the K), h of every slot and the residual
+// update, each against the reference decoding of the same weights.
+void experts_case(int H, int I, int Is, int E, int K, bool time) {
+  const std::string shape = "H " + std::to_string(H) + " I " + std::to_string(I) + " Is " + std::to_string(Is) +
+                            " E " + std::to_string(E) + " K " + std::to_string(K);
+  Experts ex;
+  make_experts(ex, H, I, Is, E, K);
+  const MoeDecode md = ex.plan();
+  const int ldh = md.ldh;
+  const std::vector<float> xn = random_floats(H, -2.f, 2.f), router = random_floats(E, -4.f, 4.f);
+  const std::vector<float> x0 = random_floats(H, -1.f, 1.f), sg = random_floats(1, -2.f, 2.f);
+  MoeBuffers b{upload(xn), upload(router), nullptr, nullptr, upload(sg), upload(x0), nullptr};
+  CK(cudaMalloc(&b.h, size_t(K + 1) * ldh * 4));
+  CK(cudaMemset(b.h, 0, size_t(K + 1) * ldh * 4));
+  CK(cudaMalloc(&b.w, K * 4));
+  CK(cudaMalloc(&b.ids, K * 4));
+  launch_experts(md, b, H);
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaGetLastError());
+  // the route
+  std::vector<int> order(E);
+  for (int e = 0; e < E; ++e) order[e] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int c) { return router[a] > router[c]; });
+  const auto ids = download(b.ids, K);
+  const auto wts = download(b.w, K);
+  std::vector<float> want_w(K);
+  double z = 0;
+  for (int j = 0; j < K; ++j) z += std::exp(double(router[order[j]]) - router[order[0]]);
+  bool route_ok = true;
+  for (int j = 0; j < K; ++j) {
+    want_w[j] = float(std::exp(double(router[order[j]]) - router[order[0]]) / z);
+    route_ok = route_ok && ids[j] == order[j];
+  }
+  if (!route_ok) ++failures;
+  std::printf("%-8s %-50s %s\n", "route", shape.c_str(), route_ok ? "ok" : "FAIL");
+  check("weights", shape, wts, want_w);
+  // h
+  std::vector<float> h_ref(size_t(K + 1) * ldh, 0.f);
+  for (int j = 0; j <= K; ++j) {
+    const LinDev& G = j < K ? ex.gate.W : ex.sgate.W;
+    const LinDev& U = j < K ? ex.up.W : ex.sup.W;
+    const int e = j < K ? order[j] : 0;
+    const auto g = ref_gemv(G, e, xn), u = ref_gemv(U, e, xn);
+    for (int r = 0; r < G.rows; ++r) h_ref[size_t(j) * ldh + r] = silu(g[r]) * u[r];
+  }
+  check("h", shape, download(b.h, h_ref.size()), h_ref, 5e-5);
+  // x += Σ_j w_j · down_j · h_j + σ(sg) · sdown · h_K, from the kernel's own h (the step above checked it)
+  const auto h = download(b.h, h_ref.size());
+  std::vector<double> x_ref(x0.begin(), x0.end());
+  for (int j = 0; j <= K; ++j) {
+    const LinDev& D = j < K ? ex.down.W : ex.sdown.W;
+    std::vector<float> hj(h.begin() + size_t(j) * ldh, h.begin() + size_t(j) * ldh + D.cols);
+    const auto y = ref_gemv(D, j < K ? order[j] : 0, hj);
+    const double wj = j < K ? want_w[j] : 1.0 / (1.0 + std::exp(-double(sg[0])));
+    for (int r = 0; r < H; ++r) x_ref[r] += wj * y[r];
+  }
+  check("down", shape, download(b.x, H), std::vector<float>(x_ref.begin(), x_ref.end()), 5e-5);
+  if (time) {
+    // 40 layers' routes over the one set of experts: their weights mostly come from DRAM (8 of 256 a layer)
+    std::vector<float*> routers;
+    for (int l = 0; l < 40; ++l) routers.push_back(upload(random_floats(E, -4.f, 4.f)));
+    const double us = graph_us([&] {
+      for (int l = 0; l < 40; ++l) {
+        MoeBuffers bl = b;
+        bl.router = routers[l];
+        launch_experts(md, bl, H);
+      }
+    }, 40);
+    const uint64_t bytes = K * (weight_bytes(ex.gate.W) + weight_bytes(ex.up.W) + weight_bytes(ex.down.W)) +
+                           weight_bytes(ex.sgate.W) + weight_bytes(ex.sup.W) + weight_bytes(ex.sdown.W);
+    print_time("time", shape + " gate_up+down", us, bytes);
+    for (float* p : routers) cudaFree(p);
+  }
+  for (void* p : std::initializer_list<void*>{b.xn, b.router, b.h, b.w, b.sg, b.x, b.ids}) cudaFree(p);
+}
+
+// ---------------------------------------------------------------- argmax
+
+void argmax_case(int V) {
+  int32_t* token = nullptr;
+  ArgmaxSlot* slot = nullptr;
+  CK(cudaMalloc(&token, 4));
+  CK(cudaMalloc(&slot, sizeof(ArgmaxSlot)));
+  CK(cudaMemset(slot, 0, sizeof(ArgmaxSlot)));
+  bool ok = true;
+  for (int round = 0; round < 3; ++round) {  // the slot resets itself between rows
+    std::vector<float> l = random_floats(V, -30.f, 30.f);
+    if (round == 2) l[V / 3] = l[V - 1] = 31.f;  // a tie: the lower id wins
+    float* dl = upload(l);
+    launch(argmax_kernel, std::min(sms, (V + 1023) / 1024), 1024, 0, (const float*)dl, V, slot, token);
+    CK(cudaStreamSynchronize(stream));
+    const int want = int(std::max_element(l.begin(), l.end()) - l.begin());
+    ok = ok && download(token, 1)[0] == want;
+    cudaFree(dl);
+  }
+  if (!ok) ++failures;
+  std::printf("%-8s %-50s %s\n", "argmax", ("V " + std::to_string(V)).c_str(), ok ? "ok" : "FAIL");
+  cudaFree(token), cudaFree(slot);
+}
+
+// ---------------------------------------------------------------- a step's projections and experts
+
+// 40 layers of the GDN layer's projections (in_proj with its norm, out_proj into the residual, the router
+// with its norm) and experts, each layer its own dense weights, then the logits' projection and argmax: the
+// decode step without its recurrences and attention.
+void step_case() {
+  const int H = 2048, V = 248320, layers = 40;
+  Experts ex;
+  make_experts(ex, H, 512, 512, 256, 8);
+  Weights base[6];
+  make_weights(base[0], 1, 8192, H, 4, kBF16, kBF16, 64);  // qkv
+  make_weights(base[1], 1, 4096, H, 4, kBF16, kBF16, 64);  // z
+  make_weights(base[2], 1, 64, H, 4, kBF16, kBF16, 64);    // b, a
+  make_weights(base[3], 1, H, 4096, 4, kBF16, kBF16, 64);  // out_proj
+  make_weights(base[4], 1, 256, H, 8, kBF16, kBF16, 64);   // router
+  make_weights(base[5], 1, 1, H, 8, kBF16, kBF16, 64);     // shared expert gate
+  Weights lm;
+  make_weights(lm, 1, V, H, 4, kBF16, kBF16, 64);
+  std::vector<void*> owned;
+  std::vector<std::vector<LinDev>> c;
+  for (auto& w : base) c.push_back(copies_of(w.W, layers, owned));
+  const MoeDecode md = ex.plan();
+  auto buf = [&](size_t n) {
+    float* p = upload(random_floats(n, -1.f, 1.f));
+    owned.push_back(p);
+    return p;
+  };
+  float *x = buf(H), *g = buf(H), *qkv = buf(8192), *z = buf(4096), *ba = buf(64), *mix = buf(4096);
+  float *logit = buf(256), *sgl = buf(1), *xn = buf(H), *logits = buf(V);
+  MoeBuffers b{xn, nullptr, buf(9 * 512), buf(8), sgl, x, nullptr};
+  CK(cudaMalloc(&b.ids, 8 * 4));
+  owned.push_back(b.ids);
+  std::vector<float*> routers;
+  for (int l = 0; l < layers; ++l) routers.push_back(buf(256));
+  int32_t* token = nullptr;
+  ArgmaxSlot* slot = nullptr;
+  CK(cudaMalloc(&token, 4));
+  CK(cudaMalloc(&slot, sizeof(ArgmaxSlot)));
+  CK(cudaMemset(slot, 0, sizeof(ArgmaxSlot)));
+  uint64_t bytes = weight_bytes(lm.W);
+  for (auto& w : base) bytes += layers * weight_bytes(w.W);
+  bytes += layers * (8 * (weight_bytes(ex.gate.W) + weight_bytes(ex.up.W) + weight_bytes(ex.down.W)) +
+                     weight_bytes(ex.sgate.W) + weight_bytes(ex.sup.W) + weight_bytes(ex.sdown.W));
+  auto one = [](const LinDev& W, float* out) {
+    GemvJobs j;
+    j.W[0] = W, j.out[0] = out, j.n = 1;
+    return j;
+  };
+  const double us = graph_us([&] {
+    for (int l = 0; l < layers; ++l) {
+      GemvJobs in = one(c[0][l], qkv);
+      in.W[1] = c[1][l], in.out[1] = z, in.W[2] = c[2][l], in.out[2] = ba, in.n = 3;
+      launch_gemv(in, x, H, g, nullptr);
+      GemvJobs out = one(c[3][l], x);
+      out.accumulate = true;
+      launch_gemv(out, mix, 4096, nullptr, nullptr);
+      GemvJobs route = one(c[4][l], routers[l]);
+      route.W[1] = c[5][l], route.out[1] = sgl, route.n = 2;
+      launch_gemv(route, x, H, g, xn);
+      MoeBuffers bl = b;
+      bl.router = routers[l];
+      launch_experts(md, bl, H);
+    }
+    launch_gemv(one(lm.W, logits), x, H, g, nullptr);
+    launch(argmax_kernel, std::min(sms, (V + 1023) / 1024), 1024, 0, (const float*)logits, V, slot, token);
+  }, 1);
+  std::printf("%-8s %-50s %8.1f us  %6.2f TB/s  (%d kernels)\n", "step", "40 layers' projections + experts, lm_head",
+              us, bytes / us * 1e-6, layers * 5 + 2);
+  for (void* p : owned) cudaFree(p);
+  cudaFree(token), cudaFree(slot);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool small = argc > 1 && std::string(argv[1]) == "--small";
+  cudaDeviceProp p;
+  CK(cudaGetDeviceProperties(&p, 0));
+  sms = p.multiProcessorCount;
+  std::printf("%s, %d SMs\n", p.name, sms);
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CK(allow_decode_smem());
+  // the tiny models' shapes and every format: partial tiles, jobs of a few rows, 8-bit, dense
+  gemv_case({{96, 4}, {40, 4}, {8, 4}}, 64, true, false, false);
+  gemv_case({{200, 4}}, 128, false, true, false);
+  gemv_case({{33, 8}, {1, 8}}, 256, true, false, false);
+  gemv_case({{72, 0}}, 96, false, false, false);
+  gemv_case({{2112, 4}}, 128, true, false, false);
+  experts_case(64, 64, 128, 8, 2, false);
+  experts_case(256, 64, 64, 32, 8, false);
+  argmax_case(2112);
+  if (!small) {
+    // the model's: GDN in_proj (qkv, z, b, a), attention's (q with its gate, k, v), out / o projection,
+    // the router with the shared expert's gate (8-bit), the logits' projection (more tiles than stages)
+    gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, true);
+    gemv_case({{8192, 4}, {512, 4}, {512, 4}}, 2048, true, false, true);
+    gemv_case({{2048, 4}}, 4096, false, true, true);
+    gemv_case({{256, 8}, {1, 8}}, 2048, true, false, true);
+    gemv_case({{248320, 4}}, 2048, true, false, true);
+    experts_case(2048, 512, 512, 256, 8, true);
+    argmax_case(248320);
+    step_case();
+  }
+  std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
+  return failures ? 1 : 0;
+}
