@@ -5,7 +5,8 @@
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
 //        -o build/decode_kernels && build/decode_kernels
 //
-// `--small` runs only the small shapes, untimed (for compute-sanitizer). Timing: 40 launches captured in a
+// `--small` runs only the small shapes, untimed (for compute-sanitizer); `--profile` the model's shapes once each,
+// untimed (for ncu). Timing: 40 launches captured in a
 // CUDA graph with programmatic dependent launch, as the decode step runs, each on its own copy of the weights
 // (so they come from DRAM, not L2), the median of 10 replays; then a step's worth of the model's projections
 // and experts (40 layers, distinct weights, and the logits' projection and argmax) the same way.
@@ -329,6 +330,50 @@ void argmax_case(int V) {
   cudaFree(token), cudaFree(slot);
 }
 
+// The tiles alone: gemv_kernel's ring with nothing computed, what the bulk copies themselves move.
+__global__ void __launch_bounds__(kDecodeThreads, 2) stream_tiles_kernel(LinDev W, int tile_rows, int stages,
+                                                                          uint32_t stage_bytes, float* sink) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ uint64_t full[kMaxStages];
+  const int tiles = (W.rows + tile_rows - 1) / tile_rows;
+  const TileRing ring{smem, stage_bytes, stages, (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x),
+                      full};
+  auto issue = [&](int i) {
+    const int r0 = ring.tile(i) * tile_rows, n = min(tile_rows, W.rows - r0);
+    mbar_arm(ring.bar(i), tile_bytes(W, n));
+    tile_load(W, 0, r0, n, ring.stage(i), ring.bar(i));
+  };
+  if (threadIdx.x == 0) {
+    ring.init();
+    for (int i = 0; i < min(stages, ring.count); ++i) issue(i);
+  }
+  __syncthreads();
+  float acc = 0.f;
+  for (int i = 0; i < ring.count; ++i) {
+    ring.wait(i);
+    acc += reinterpret_cast<const float*>(ring.stage(i))[threadIdx.x];
+    ring.refill(i, issue);
+  }
+  if (acc == 12345.f) *sink = acc;  // keeps the reads
+}
+
+void stream_case(int rows, int cols) {
+  Weights w;
+  make_weights(w, 1, rows, cols, 4, kBF16, kBF16, 64);
+  GemvJobs jobs;
+  jobs.W[0] = w.W, jobs.n = 1;
+  const uint32_t stage_bytes = plan_gemv(jobs);
+  const DecodeGrid g = decode_grid(jobs.tile_first[1], stage_bytes, gemv_row_bytes(cols), sms, "stream");
+  float* sink = upload(std::vector<float>(1));
+  const double us = graph_us([&] {
+    for (int l = 0; l < 10; ++l)
+      launch(stream_tiles_kernel, g.blocks, kDecodeThreads, g.smem, w.W, jobs.tile_rows, g.stages, stage_bytes, sink);
+  }, 10);
+  print_time("tiles", "rows " + std::to_string(rows) + " cols " + std::to_string(cols) + " copies only, " +
+             std::to_string(g.blocks) + " blocks " + std::to_string(g.stages) + " stages", us, weight_bytes(w.W));
+  cudaFree(sink);
+}
+
 // ---------------------------------------------------------------- a step's projections and experts
 
 // 40 layers of the GDN layer's projections (in_proj with its norm, out_proj into the residual, the router
@@ -404,13 +449,21 @@ void step_case() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool small = argc > 1 && std::string(argv[1]) == "--small";
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool small = mode == "--small";
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
   sms = p.multiProcessorCount;
   std::printf("%s, %d SMs\n", p.name, sms);
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CK(allow_decode_smem());
+  CK(cudaFuncSetAttribute(stream_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem)));
+  if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
+    gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);
+    gemv_case({{248320, 4}}, 2048, true, false, false);
+    experts_case(2048, 512, 512, 256, 8, false);
+    return failures ? 1 : 0;
+  }
   // the tiny models' shapes and every format: partial tiles, jobs of a few rows, 8-bit, dense
   gemv_case({{96, 4}, {40, 4}, {8, 4}}, 64, true, false, false);
   gemv_case({{200, 4}}, 128, false, true, false);
@@ -430,6 +483,8 @@ int main(int argc, char** argv) {
     gemv_case({{248320, 4}}, 2048, true, false, true);
     experts_case(2048, 512, 512, 256, 8, true);
     argmax_case(248320);
+    stream_case(248320, 2048);
+    stream_case(12352, 2048);
     step_case();
   }
   std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);

@@ -627,7 +627,7 @@ class CudaBackend final : public Backend {
                                   std::to_string(W.group) + " (4 or 8 bits, groups a multiple of 32)");
     if (!W.quantized() && W.wdtype == DType::u32)
       throw std::invalid_argument("[cuda] weight " + W.name + ": integer dense weight");
-    if (W.w_row_bytes % 16 || W.w_expert_bytes % 16 || W.s_expert_bytes % 16 || W.s_row_bytes % 2)
+    if (W.w_row_bytes % 16 || W.s_row_bytes % 2 || (W.experts > 1 && (W.w_expert_bytes % 16 || W.s_expert_bytes % 16)))
       throw std::invalid_argument("[cuda] weight " + W.name + ": rows or experts not 16-byte aligned (decode copies "
                                   "its weights in 16-byte units)");
     const int64_t E = std::max<int64_t>(W.experts, 1);
