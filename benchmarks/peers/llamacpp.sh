@@ -12,7 +12,7 @@
 # come in the next device call (give it PEER_DEADLINE there too; the build keeps the deadline of its `start`).
 # The build and the model go to PEER_WORK (default /tmp/lily-peer, local disk on the device, outside the
 # carried tree; the model takes 21 GB). The background jobs run at nice 19 so they take only the cores the
-# caller leaves idle. PEER_TINY=1 writes gen_gguf.py's tiny model instead (a smoke test of the pipeline;
+# caller leaves idle (PEER_NICE, PEER_JOBS: the build's niceness, 19, and jobs, 12). PEER_TINY=1 writes gen_gguf.py's tiny model instead (a smoke test of the pipeline;
 # llama-bench's figures then mean nothing).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -50,7 +50,7 @@ build_llama_bench() {
     fi
     left=$(( $1 - BENCH_RESERVE - $(now) ))
     [ $left -gt 0 ] || { echo "no time left to build"; return 124; }
-    timeout $left nice -n 19 cmake --build "$BUILD" --target llama-bench -j 12
+    timeout $left nice -n "${PEER_NICE:-19}" cmake --build "$BUILD" --target llama-bench -j "${PEER_JOBS:-12}"
 }
 
 generate_model() {
