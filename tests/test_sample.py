@@ -115,10 +115,17 @@ def host_token(s, p, logits, counter):
 
 def run_and_compare(rng, p, logits, seen, counts, counters, order, max_threads=1024):
     """Runs the kernel on every row; asserts tokens, seen / counts, logits. Returns the justified mismatches."""
-    N, V = logits.shape
     r = kernels.sample(logits, seen, counts, counters, p, order=order, seed=order + 1, max_threads=max_threads)
+    assert r["counters"]["dispatches"] == len(logits)
+    return compare_with_host(p, logits, seen, counts, counters, r)
+
+
+def compare_with_host(p, logits, seen, counts, counters, r):
+    """A device sampler's results r ('tokens' [N], 'seen', 'counts', 'logits' as it left them) for the rows of
+    logits at Philox counters [N] against the host sampler: the logits untouched, the token recorded in seen /
+    counts, and the host's token unless the draw lies within rounding of a CDF step. Returns those mismatches."""
+    N, V = logits.shape
     np.testing.assert_array_equal(r["logits"].view(np.uint32), logits.view(np.uint32))
-    assert r["counters"]["dispatches"] == N
     mismatches = 0
     for i in range(N):
         t = int(r["tokens"][i])
@@ -144,6 +151,15 @@ def run_and_compare(rng, p, logits, seen, counts, counters, order, max_threads=1
         assert abs(cdf[min(t, h)] - u) < tol, f"row {i}: device {t} host {h}, u {u}, cdf {cdf[min(t, h)]}"
         mismatches += 1
     return mismatches
+
+
+def check_draws_at_counters(p, row, tokens, counters):
+    """Tokens drawn from one unpenalised logits row at Philox counters too large for a host sampler to advance
+    to, against the inverse CDF of Sampler.probabilities at the host's u."""
+    cdf = np.cumsum(_core.Sampler(p, len(row)).probabilities(row)[0].astype(np.float64))
+    for t, c in zip(tokens, counters):
+        want = int(np.searchsorted(cdf, u_host(p.seed, int(c)), side="right"))
+        assert t == want or abs(cdf[min(t, want)] - u_host(p.seed, int(c))) < 1e-5
 
 
 # ---------------------------------------------------------------- tests
@@ -222,10 +238,7 @@ def test_large_counter_and_seed(rng):
     p = params(seed=(1 << 63) + 12345, top_p=0.95)
     counters = np.array([(1 << 32) + 7, (5 << 32), 7], np.uint64)
     r = kernels.sample(np.repeat(logits, 3, 0), np.zeros((3, V), np.uint8), np.zeros((3, V), np.int32), counters, p)
-    cdf = np.cumsum(_core.Sampler(p, V).probabilities(logits[0])[0].astype(np.float64))
-    for t, c in zip(r["tokens"], counters):
-        want = int(np.searchsorted(cdf, u_host(p.seed, int(c)), side="right"))
-        assert t == want or abs(cdf[min(t, want)] - u_host(p.seed, int(c))) < 1e-5
+    check_draws_at_counters(p, logits[0], r["tokens"], counters)
     assert abs(u_device(p.seed, 7) - u_host(p.seed, 7)) < 2.0**-24
 
 
