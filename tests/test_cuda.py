@@ -22,7 +22,7 @@ needs_device = pytest.mark.skipif(_why is not None, reason=f"backend 'cuda': {_w
 from test_metal_model import CASES, DECODE, PREFILL, engine, ids, run, stats  # noqa: E402,F401  (ids: fixture)
 from test_sample import CASES as SAMPLE_CASES  # noqa: E402
 from test_sample import (QWEN_VOCAB, VOCABS, check_draws_at_counters, compare_with_host, params,  # noqa: E402
-                         random_history, random_rows)
+                         random_history, random_rows, tie_rows)
 
 
 def test_cuda_sources_are_built_where_nvcc_is():
@@ -123,11 +123,13 @@ def host_draws(e, s, prompt, opts, n):
     return want
 
 
+# Every filter given: Engine.generate fills what is not from the checkpoint's generation_config.json.
 GENERATIONS = {
     "filters": dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seed=1234),
-    "penalties": dict(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.8,
-                      seed=99),
-    "greedy_penalties": dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0),
+    "penalties": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+                      frequency_penalty=0.8, seed=99),
+    "greedy_penalties": dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.5,
+                             frequency_penalty=1.0),
 }
 
 
@@ -199,14 +201,12 @@ def test_device_sampler_matches_host_sampler(case, rng):
 
 @needs_device
 def test_device_sampler_ties_cut_by_top_p(rng):
-    """Equal logits straddling the top-p boundary: the kept ones are the lowest ids (the host's rule), so every
-    draw is the host's (test_sample.py's test_ties_cut_by_top_p)."""
+    """Equal logits straddling the top-p boundary (test_sample.py's tie_rows): the kept ones are the lowest ids
+    (the host's rule), so every draw is the host's."""
     V, n = 3001, 12
-    flat = np.zeros((1, V), np.float32)
-    stepped = np.where(np.arange(V) % 7 == 0, 2.0, 0.0).astype(np.float32)[None]
     seen, counts = np.zeros((n, V), np.uint8), np.zeros((n, V), np.int32)
     mismatches = 0
-    for row, top_p in [(flat, 0.5), (stepped, 0.7), (stepped, 0.99)]:
+    for row, top_p in tie_rows(V):
         p = params(seed=int(rng.integers(1 << 63)), top_p=top_p)
         logits, counters = np.repeat(row, n, 0), np.arange(n, dtype=np.uint64)
         mismatches += compare_with_host(p, logits, seen, counts, counters,

@@ -212,17 +212,32 @@ def test_qwen_vocab(case, order, rng):
 
 
 @pytest.mark.parametrize("order", ORDERS)
+def tie_rows(V):
+    """(logits [1, V], top_p) whose top-p boundary cuts through equal logits: uniform; 429 tied leaders, then
+    ties; four tied leaders, far apart (in different simdgroups' ranges) or adjacent (one simdgroup step), of
+    which top_p 0.6 keeps the first three (the mass before the fourth is 0.75)."""
+    flat = np.zeros((1, V), np.float32)  # uniform: keeps ids i with i / V < 0.5, i.e. 0..1500 at V = 3001
+    stepped = np.where(np.arange(V) % 7 == 0, 2.0, 0.0).astype(np.float32)[None]
+    rows = [(flat, 0.5), (stepped, 0.7), (stepped, 0.99)]
+    for leaders in ([5, 700, 1500, 2900], [64, 65, 66, 67]):
+        few = np.full((1, V), -30.0, np.float32)
+        few[0, leaders] = 5.0
+        rows.append((few, 0.6))
+    return rows
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_ties_cut_by_top_p(order, rng):
     """Equal logits straddling the top-p boundary: the kept ones are the lowest ids (mass before < top_p)."""
     V = 3001
-    flat = np.zeros((1, V), np.float32)  # uniform: keeps ids i with i / V < 0.5, i.e. 0..1500
-    stepped = np.where(np.arange(V) % 7 == 0, 2.0, 0.0).astype(np.float32)[None]  # 429 tied leaders, then ties
     seen, counts = np.zeros((1, V), np.uint8), np.zeros((1, V), np.int32)
-    for logits, top_p in [(flat, 0.5), (stepped, 0.7), (stepped, 0.99)]:
+    for i, (logits, top_p) in enumerate(tie_rows(V)):
         p = params(seed=int(rng.integers(1 << 63)), top_p=top_p)
         allowed = np.flatnonzero(host_sampler(p, V, seen[0], counts[0]).probabilities(logits[0])[0])
-        if logits is flat:
+        if i == 0:
             np.testing.assert_array_equal(allowed, np.arange(1501))
+        if i >= 3:
+            assert allowed.size == 3
         counters = np.arange(12, dtype=np.uint64)
         r = kernels.sample(np.repeat(logits, 12, 0), np.repeat(seen, 12, 0), np.repeat(counts, 12, 0), counters, p,
                            order=order, seed=order + 1)

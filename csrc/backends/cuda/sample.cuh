@@ -50,7 +50,8 @@ __device__ __forceinline__ float penalised(const SampleArgs& a, const float* log
   if (a.repetition_penalty != 1.0f && seen[i] != 0) l = l > 0.0f ? l / a.repetition_penalty : l * a.repetition_penalty;
   if (a.presence_penalty != 0.0f || a.frequency_penalty != 0.0f) {
     const int c = counts[i];
-    if (c > 0) l -= a.frequency_penalty * float(c) + a.presence_penalty;
+    // Rounded as the host rounds it (no FMA contraction), so penalised greedy ties break as on the host.
+    if (c > 0) l -= __fadd_rn(__fmul_rn(a.frequency_penalty, float(c)), a.presence_penalty);
   }
   return l;
 }
