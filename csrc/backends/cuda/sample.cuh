@@ -125,8 +125,10 @@ sample_token_kernel(SampleArgs* args, const float* logits, uint8_t* seen, int32_
   __shared__ uint32_t pick_u[3];       // thread 0's digit scans: chosen bin, tokens still needed / in the bin, bin done
   __shared__ unsigned long long pick_m[2];  // top-p, fixed point: mass above the chosen bin, target top_p · S
   start_next_kernel();
-  wait_previous_kernel();
+  // Only the previous step's selection writes args, seen and counts (and the host, before the step): the
+  // args load may overlap the lm_head's drain, the logits wait for it.
   const SampleArgs a = *args;
+  wait_previous_kernel();
   const int tid = threadIdx.x, nthreads = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
   const int V = a.vocab;
   const bool top_k = a.temperature > 0.0f && a.top_k > 0 && a.top_k < V;
