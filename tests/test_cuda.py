@@ -147,15 +147,19 @@ def test_sampling_equals_host_sampler(opts, ids):
 
 
 @needs_device
-def test_generations_on_one_session_replay_one_graph(ids):
-    """Three generations on one session (sampled with penalties; greedy with penalties from a one-token prompt;
-    sampled with another seed and filters), all decode steps replaying the graph the first step captured (one
-    state, one KV capacity): parameters, draw counter and penalty tables must come from device memory. Each
-    equals lily.Sampler drawing from a mirror session's logits, its context all the session held before."""
+def test_generations_on_one_session_share_graphs(ids):
+    """Generations on one session: sampled with penalties; greedy with penalties from a one-token prompt;
+    sampled with another seed and filters — every decode step of these replays the graph the first captured
+    (one state, one KV capacity, sample.cuh selecting), so parameters, draw counter and penalty tables must come
+    from device memory; then plain greedy (argmax: a graph of its own) and sampled again (the sampler's graph
+    captured anew). Each equals lily.Sampler drawing from a mirror session's logits, its context all the
+    session held before."""
     prompt, more = ids
     e = engine(tm.BASE, "mlx_q4_bf16", "cuda")
+    greedy = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
     turns = [(prompt, GENERATIONS["penalties"]), (more[:1], GENERATIONS["greedy_penalties"]),
-             (more[1:4], GENERATIONS["filters"])]
+             (more[1:4], GENERATIONS["filters"]), (more[4:6], greedy),
+             (more[6:7], dict(GENERATIONS["penalties"], seed=5))]
     core, n = e._core.new_session(), 10
     got = []
     for new, opts in turns:

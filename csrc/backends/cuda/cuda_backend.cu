@@ -3,12 +3,13 @@
 //
 // Decode graphs: every kernel that depends on the position reads it from pos_dev_ (set before each step) and
 // the step's input token from tok_dev_, so one decode step's launches are the same every step. The first
-// decode step of a (state, KV capacity, fusions) is captured as a CUDA graph; later steps replay it, the ops
-// only checking that the schedule calls the same sequence. Token selection (sample.cuh: greedy, penalties and
-// sampling alike, into the token slot) is part of the graph: it reads the generation's parameters, draw
-// counter and penalty tables from device memory (select_begin uploads them, the kernel advances the counter
-// and the tables), so one graph serves every generation on a state and the token never visits the host
-// between steps.
+// decode step of a (state, KV capacity, fusions, selection kernel) is captured as a CUDA graph; later steps replay it, the ops
+// only checking that the schedule calls the same sequence. Token selection into the token slot is part of the
+// graph: the first maximum (argmax_kernel) for plain greedy, else sample.cuh (penalties, sampling), which reads
+// the generation's parameters, draw counter and penalty tables from device memory (select_begin uploads them,
+// the kernel advances the counter and the tables). Which of the two is the one thing about selection a graph
+// key must say; every sampled generation on a state replays one graph, and no token visits the host between
+// steps.
 #include "cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -112,13 +113,6 @@ class CudaBackend final : public Backend {
     sample_args_dev_ = device_alloc<SampleArgs>(1);
     seen_dev_ = device_alloc<uint8_t>(c_.vocab);
     counts_dev_ = device_alloc<int32_t>(c_.vocab);
-    // Greedy until the first select_begin: a decode step that does not select still runs the selection.
-    SamplingParams greedy;
-    greedy.temperature = 0.f;
-    const SampleArgs args = gpu::sample_args(greedy, c_.vocab, 0);
-    CK(cudaMemcpy(sample_args_dev_, &args, sizeof args, cudaMemcpyHostToDevice));
-    CK(cudaMemset(seen_dev_, 0, size_t(c_.vocab)));
-    CK(cudaMemset(counts_dev_, 0, size_t(c_.vocab) * 4));
   }
 
   ~CudaBackend() override {
@@ -273,7 +267,7 @@ class CudaBackend final : public Backend {
     ops_ = 0;
     mode_ = Mode::direct;
     if (phase != Phase::decode) return;
-    const GraphKey key{s_->serial, s_->capacity, fusion_bits(f)};
+    const GraphKey key{s_->serial, s_->capacity, fusion_bits(f), sampled_};
     mode_ = graph_exec_ && key == graph_key_ ? Mode::replay : Mode::capture_pending;
     graph_key_ = key;
   }
@@ -281,9 +275,9 @@ class CudaBackend final : public Backend {
   void commit() override {
     if (phase_ == Phase::decode && mode_ != Mode::direct) {
       // The selection is part of every decode graph. A step that does not select (Engine::logits / feed, only
-      // between generations: one request at a time) thus still selects: it overwrites the token slot, which
-      // the next embed writes first, and advances the counter, which the next select_begin replaces, and the
-      // tables, which only a penalised generation reads and its select_begin replaces too.
+      // between generations: one request at a time) thus still selects, as the last generation did: it
+      // overwrites the token slot, which the next embed writes first, and a sampled one advances the counter
+      // and tables, which the next sampled generation's select_begin replaces.
       if (mode_ == Mode::capturing) {
         launch_selection();
         cudaGraph_t graph = nullptr;
@@ -528,11 +522,15 @@ class CudaBackend final : public Backend {
 
   // ---------------------------------------------------------------- token selection
 
-  // The generation's SampleArgs (parameters and draw counter) and penalty tables into the device memory the
-  // selection kernel reads. Nothing of the host Sampler is needed after this: the kernel keeps the counter and
-  // tables in step on the device, and logprobs come from the raw logits (Sampler::fill_logprobs). The tables
-  // are read only under a penalty, so without one they are left as they are.
+  // A sampled or penalised generation's SampleArgs (parameters and draw counter) and penalty tables into the
+  // device memory sample.cuh reads. Nothing of the host Sampler is needed after this: the kernel keeps the
+  // counter and tables in step on the device, and logprobs come from the raw logits (Sampler::fill_logprobs).
+  // The tables are read only under a penalty, so without one they are left as they are.
   void select_begin(const Sampler& sampler) override {
+    selecting_ = true;
+    pending_ = false;
+    sampled_ = !sampler.params().greedy() || sampler.params().penalised();
+    if (!sampled_) return;
     const SampleArgs args = gpu::sample_args(sampler.params(), c_.vocab, sampler.draws());
     CK(cudaMemcpyAsync(sample_args_dev_, &args, sizeof args, cudaMemcpyHostToDevice, stream_));
     std::vector<int32_t> counts;
@@ -543,8 +541,6 @@ class CudaBackend final : public Backend {
       CK(cudaMemcpyAsync(counts_dev_, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice, stream_));
     }
     CK(cudaStreamSynchronize(stream_));  // the copies read `args` and `counts`, locals
-    selecting_ = true;
-    pending_ = false;
   }
 
   void select_token() override {
@@ -571,8 +567,9 @@ class CudaBackend final : public Backend {
     uint64_t state = 0;  // CudaState::serial
     int64_t capacity = 0;
     uint32_t fusions = 0;
+    bool sampled = false;  // sample_token_kernel selects, not argmax_kernel
     bool operator==(const GraphKey& o) const {
-      return state == o.state && capacity == o.capacity && fusions == o.fusions;
+      return state == o.state && capacity == o.capacity && fusions == o.fusions && sampled == o.sampled;
     }
   };
   static uint32_t fusion_bits(const Fusions& f) {
@@ -583,10 +580,13 @@ class CudaBackend final : public Backend {
     return v;
   }
 
-  // The token of logits row 0 into the token slot (sample.cuh), by the SampleArgs in device memory.
+  // The token of logits row 0 into the token slot.
   void launch_selection() {
-    launch_dependent(sample_token_kernel, 1, LILY_SAMPLE_THREADS, 0, sample_args_dev_, act(Act::logits), seen_dev_,
-                     counts_dev_, tok_dev_);
+    if (sampled_)
+      launch_dependent(sample_token_kernel, 1, LILY_SAMPLE_THREADS, 0, sample_args_dev_, act(Act::logits), seen_dev_,
+                       counts_dev_, tok_dev_);
+    else
+      launch_dependent(argmax_kernel, 1, 1024, 0, act(Act::logits), c_.vocab, tok_dev_);
   }
 
   // Counts the op; false when a replayed graph already holds its launches.
@@ -797,12 +797,12 @@ class CudaBackend final : public Backend {
   int ops_ = 0, graph_ops_ = 0;
   cudaGraphExec_t graph_exec_ = nullptr;
   GraphKey graph_key_;
-  // Token selection: the generation's SampleArgs (its counter advanced by the kernel), the penalty tables
-  // seen [V] and counts [V] (sampling.h).
+  // Token selection: sampled_ (sample.cuh, not argmax) with the generation's SampleArgs (its counter advanced
+  // by the kernel) and the penalty tables seen [V] and counts [V] (sampling.h).
   SampleArgs* sample_args_dev_ = nullptr;
   uint8_t* seen_dev_ = nullptr;
   int32_t* counts_dev_ = nullptr;
-  bool selecting_ = false, pending_ = false;
+  bool selecting_ = false, pending_ = false, sampled_ = false;
 };
 
 }  // namespace

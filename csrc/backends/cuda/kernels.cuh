@@ -955,4 +955,40 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) moe_down_kernel(LinDev dow
   }
 }
 
+// ---------------------------------------------------------------- token selection
+
+// The first maximum of logits[V] into *token (greedy, no penalties): one block.
+__global__ void argmax_kernel(const float* logits, int V, int32_t* token) {
+  __shared__ float bv[32];
+  __shared__ int bi[32];
+  start_next_kernel();
+  wait_previous_kernel();
+  float best = -INFINITY;
+  int idx = 1 << 30;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    const float v = logits[i];
+    if (v > best) best = v, idx = i;  // i grows per thread: the first maximum of this thread's share
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) bv[warp] = best, bi[warp] = idx;
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < (blockDim.x >> 5) ? bv[lane] : -INFINITY;
+    idx = lane < (blockDim.x >> 5) ? bi[lane] : 1 << 30;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+      if (ob > best || (ob == best && oi < idx)) best = ob, idx = oi;
+    }
+    if (lane == 0) *token = idx;
+  }
+}
+
 }  // namespace lily::cuda

@@ -1,8 +1,8 @@
 // Device token selection: the next token from logits f32 [V] in one block of LILY_SAMPLE_THREADS threads,
 // the CUDA counterpart of metal/sample.metal — the same algorithm (read that file's header for the passes, their
 // costs and why nothing is sorted), the same SampleArgs (metal/lily_args.h) and the same semantics and order of
-// operations as the host Sampler (csrc/core/sampling.h). Greedy (temperature 0) is its one-pass special case,
-// so this one kernel selects every token of the CUDA backend.
+// operations as the host Sampler (csrc/core/sampling.h). Greedy with a penalty is its one-pass special case
+// (plain greedy takes argmax_kernel).
 //
 // What differs from Metal:
 // - SampleArgs lives in device memory and the kernel advances its Philox counter itself after a sampled
