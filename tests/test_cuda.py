@@ -2,8 +2,10 @@
 test_metal_model.py: prefill and decode logits no further from the oracle than transformers in bf16 is from
 transformers in fp32; every prefill chunk remainder (1, 2, chunk - 1 and a multi-chunk prompt); greedy tokens
 identical on the peaked model, through the captured decode graph, also across a KV-cache growth (a new graph);
-sampled tokens equal to the host sampler (lily.Sampler) drawing from the same CUDA logits. Runs where a CUDA
-device is present and skips with lily.backend_unavailable's reason otherwise; the build check runs everywhere.
+sampled and penalised tokens, selected on the device inside the decode graph, equal to the host sampler
+(lily.Sampler) drawing from the same CUDA logits, also over several generations replaying one graph. The device
+sampler (sample.cuh) alone against the host sampler with test_sample.py's criterion. Runs where a CUDA device is
+present and skips with lily.backend_unavailable's reason otherwise; the build check runs everywhere.
 """
 import shutil
 
@@ -18,6 +20,9 @@ _why = lily.backend_unavailable("cuda")
 needs_device = pytest.mark.skipif(_why is not None, reason=f"backend 'cuda': {_why}")
 
 from test_metal_model import CASES, DECODE, PREFILL, engine, ids, run, stats  # noqa: E402,F401  (ids: fixture)
+from test_sample import CASES as SAMPLE_CASES  # noqa: E402
+from test_sample import (QWEN_VOCAB, VOCABS, check_draws_at_counters, compare_with_host, params,  # noqa: E402
+                         random_history, random_rows, tie_rows)
 
 
 def test_cuda_sources_are_built_where_nvcc_is():
@@ -102,24 +107,149 @@ def test_greedy_across_kv_growth(rng):
         assert got[i] == top2[1] and row[top2[0]] - row[top2[1]] <= 0.01 * abs(row[top2[0]]), (i, got, ref)
 
 
-@needs_device
-def test_sampling_equals_host_sampler(ids):
-    """Sampled tokens (temperature, top-k, top-p, min-p, penalties) equal lily.Sampler's draws from the same CUDA
-    logits, step by step."""
-    prompt, _ = ids
-    e = engine(tm.BASE, "mlx_q4_bf16", "cuda")
-    opts = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seed=1234)
-    got = e.generate(prompt, max_tokens=12, **opts).token_ids
-    params = _core.SamplingParams()
-    for k, v in opts.items():
-        setattr(params, k, v)
-    sampler = _core.Sampler(params, e.config.vocab_size, list(prompt))
-    s = e.new_session()
-    row = e.logits(prompt, s)[-1]
+def host_draws(e, s, prompt, opts, n):
+    """n tokens lily.Sampler draws with opts from the CUDA logits of session s, fed as a generation feeds them:
+    the prompt (a prefill chunk for more than one token, else a decode step), then every drawn token but the
+    last. The sampler's context is what s held before plus the prompt, as Generation's is."""
+    sampler = _core.Sampler(params(**opts), e.config.vocab_size, list(s._core.tokens) + list(prompt))
+    row = e.prefill(prompt, s) if len(prompt) > 1 else e.logits(prompt, s)[-1]
     want = []
-    for _ in range(len(got)):
+    for k in range(n):
         t = sampler.sample(row).token
         sampler.accept(t)
         want.append(t)
-        row = e.logits([t], s)[-1]
-    assert got == want
+        if k + 1 < n:
+            row = e.logits([t], s)[-1]
+    return want
+
+
+# Every filter given: Engine.generate fills what is not from the checkpoint's generation_config.json.
+GENERATIONS = {
+    "filters": dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seed=1234),
+    "penalties": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+                      frequency_penalty=0.8, seed=99),
+    "greedy_penalties": dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.5,
+                             frequency_penalty=1.0),
+}
+
+
+@needs_device
+@pytest.mark.parametrize("opts", list(GENERATIONS.values()), ids=list(GENERATIONS))
+def test_sampling_equals_host_sampler(opts, ids):
+    """Tokens selected on the device in the decode graph (temperature, top-k, top-p, min-p, penalties; the draw
+    counter and penalty tables kept on the device) equal lily.Sampler's draws from the same CUDA logits, step
+    by step."""
+    prompt, _ = ids
+    e = engine(tm.BASE, "mlx_q4_bf16", "cuda")
+    got = e.generate(prompt, max_tokens=12, **opts).token_ids
+    assert len(got) >= 1
+    assert got == host_draws(e, e.new_session(), prompt, opts, len(got))
+
+
+@needs_device
+def test_generations_on_one_session_share_graphs(ids):
+    """Generations on one session: sampled with penalties; greedy with penalties from a one-token prompt;
+    sampled with another seed and filters — every decode step of these replays the graph the first captured
+    (one state, one KV capacity, sample.cuh selecting), so parameters, draw counter and penalty tables must come
+    from device memory; then plain greedy (argmax: a graph of its own) and sampled again (the sampler's graph
+    captured anew). Each equals lily.Sampler drawing from a mirror session's logits, its context all the
+    session held before."""
+    prompt, more = ids
+    e = engine(tm.BASE, "mlx_q4_bf16", "cuda")
+    greedy = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    turns = [(prompt, GENERATIONS["penalties"]), (more[:1], GENERATIONS["greedy_penalties"]),
+             (more[1:4], GENERATIONS["filters"]), (more[4:6], greedy),
+             (more[6:7], dict(GENERATIONS["penalties"], seed=5))]
+    core, n = e._core.new_session(), 10
+    got = []
+    for new, opts in turns:
+        g = e._core.generation(core, np.asarray(new, np.int32), n, [], params(**opts))
+        got.append([g.next().token for _ in range(n)])
+        assert g.done
+    # The mirror runs after, on its own state: interleaved, its steps would recapture the graph.
+    mirror = e.new_session()
+    for (new, opts), tokens in zip(turns, got):
+        assert tokens == host_draws(e, mirror, new, opts, n)
+
+
+# ---------------------------------------------------------------- the device sampler alone (sample.cuh)
+
+def cuda_sample(p, logits, seen, counts, counters, steps=1):
+    """kernels.cuda_sample, its Philox counters checked: advanced on the device by one per sampled step."""
+    r = _core.kernels.cuda_sample(logits, seen, counts, counters, p, steps=steps)
+    np.testing.assert_array_equal(r["counters"], counters + np.uint64(steps if p.temperature > 0 else 0))
+    return r
+
+
+def first_step(r):
+    return dict(r, tokens=r["tokens"][:, 0])
+
+
+@needs_device
+@pytest.mark.parametrize("case", list(SAMPLE_CASES), ids=list(SAMPLE_CASES))
+def test_device_sampler_matches_host_sampler(case, rng):
+    """test_sample.py's criterion (the device in fp32 with a 24-bit u, the host in double): the host's token
+    unless the draw lies within rounding of a CDF step, at most once over all rows; seen / counts record the
+    token; logits stay unmodified. Random rows (ties, -inf entries) at small, odd and the Qwen vocabularies."""
+    mismatches = total = 0
+    for V, N in [(V, 6) for V in VOCABS] + [(QWEN_VOCAB, 3)]:
+        logits = random_rows(rng, N, V)
+        seen, counts = random_history(rng, N, V)
+        p = params(seed=int(rng.integers(1 << 63)), **SAMPLE_CASES[case])
+        counters = rng.integers(0, 6, size=N).astype(np.uint64)
+        mismatches += compare_with_host(p, logits, seen, counts, counters,
+                                        first_step(cuda_sample(p, logits, seen, counts, counters)))
+        total += N
+    assert mismatches <= 1, f"{mismatches} of {total} tokens differ from the host"
+
+
+@needs_device
+def test_device_sampler_ties_cut_by_top_p(rng):
+    """Equal logits straddling the top-p boundary (test_sample.py's tie_rows): the kept ones are the lowest ids
+    (the host's rule), so every draw is the host's."""
+    V, n = 3001, 12
+    seen, counts = np.zeros((n, V), np.uint8), np.zeros((n, V), np.int32)
+    mismatches = 0
+    for row, top_p in tie_rows(V):
+        p = params(seed=int(rng.integers(1 << 63)), top_p=top_p)
+        logits, counters = np.repeat(row, n, 0), np.arange(n, dtype=np.uint64)
+        mismatches += compare_with_host(p, logits, seen, counts, counters,
+                                        first_step(cuda_sample(p, logits, seen, counts, counters)))
+    assert mismatches <= 1
+
+
+@needs_device
+def test_device_sampler_counter_halves(rng):
+    """Both 32-bit halves of the seed and of the counter reach Philox, and the device's increment carries from
+    the low half into the high one (cuda_sample checks the counters after)."""
+    V = 1000
+    logits = random_rows(rng, 1, V)
+    p = params(seed=(1 << 63) + 12345, top_p=0.95)
+    counters = np.array([(1 << 32) + 7, 5 << 32, 7, (1 << 32) - 1], np.uint64)
+    N = len(counters)
+    r = cuda_sample(p, np.repeat(logits, N, 0), np.zeros((N, V), np.uint8), np.zeros((N, V), np.int32), counters)
+    check_draws_at_counters(p, logits[0], r["tokens"][:, 0], counters)
+
+
+@needs_device
+@pytest.mark.parametrize("temperature", [0.5, 0.0])
+def test_device_sampler_steps_feed_back(temperature, rng):
+    """Eight selections in a row on the device, each reading the seen / counts and the counter the one before
+    left (as decode steps do), equal Sampler.sample + accept step by step; strong penalties make the steps
+    differ."""
+    V, steps = 3001, 8
+    logits = random_rows(rng, 1, V)
+    p = params(seed=int(rng.integers(1 << 63)), temperature=temperature, presence_penalty=3.0,
+               frequency_penalty=1.0, repetition_penalty=1.5)
+    seen, counts = np.zeros((1, V), np.uint8), np.zeros((1, V), np.int32)
+    seen[0, [1, 2, 3]] = 1
+    r = cuda_sample(p, logits, seen, counts, np.zeros(1, np.uint64), steps=steps)
+    host = _core.Sampler(p, V, [1, 2, 3])
+    want = []
+    for _ in range(steps):
+        want.append(host.sample(logits[0]).token)
+        host.accept(want[-1])
+    assert r["tokens"][0].tolist() == want
+    assert len(set(want)) > 1
+    np.testing.assert_array_equal(r["counts"][0], np.bincount(want, minlength=V))
+    np.testing.assert_array_equal(np.flatnonzero(r["seen"][0]), sorted(set(want) | {1, 2, 3}))

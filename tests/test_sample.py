@@ -115,10 +115,17 @@ def host_token(s, p, logits, counter):
 
 def run_and_compare(rng, p, logits, seen, counts, counters, order, max_threads=1024):
     """Runs the kernel on every row; asserts tokens, seen / counts, logits. Returns the justified mismatches."""
-    N, V = logits.shape
     r = kernels.sample(logits, seen, counts, counters, p, order=order, seed=order + 1, max_threads=max_threads)
+    assert r["counters"]["dispatches"] == len(logits)
+    return compare_with_host(p, logits, seen, counts, counters, r)
+
+
+def compare_with_host(p, logits, seen, counts, counters, r):
+    """A device sampler's results r ('tokens' [N], 'seen', 'counts', 'logits' as it left them) for the rows of
+    logits at Philox counters [N] against the host sampler: the logits untouched, the token recorded in seen /
+    counts, and the host's token unless the draw lies within rounding of a CDF step. Returns those mismatches."""
+    N, V = logits.shape
     np.testing.assert_array_equal(r["logits"].view(np.uint32), logits.view(np.uint32))
-    assert r["counters"]["dispatches"] == N
     mismatches = 0
     for i in range(N):
         t = int(r["tokens"][i])
@@ -144,6 +151,15 @@ def run_and_compare(rng, p, logits, seen, counts, counters, order, max_threads=1
         assert abs(cdf[min(t, h)] - u) < tol, f"row {i}: device {t} host {h}, u {u}, cdf {cdf[min(t, h)]}"
         mismatches += 1
     return mismatches
+
+
+def check_draws_at_counters(p, row, tokens, counters):
+    """Tokens drawn from one unpenalised logits row at Philox counters too large for a host sampler to advance
+    to, against the inverse CDF of Sampler.probabilities at the host's u."""
+    cdf = np.cumsum(_core.Sampler(p, len(row)).probabilities(row)[0].astype(np.float64))
+    for t, c in zip(tokens, counters):
+        want = int(np.searchsorted(cdf, u_host(p.seed, int(c)), side="right"))
+        assert t == want or abs(cdf[min(t, want)] - u_host(p.seed, int(c))) < 1e-5
 
 
 # ---------------------------------------------------------------- tests
@@ -196,17 +212,32 @@ def test_qwen_vocab(case, order, rng):
 
 
 @pytest.mark.parametrize("order", ORDERS)
+def tie_rows(V):
+    """(logits [1, V], top_p) whose top-p boundary cuts through equal logits: uniform; 429 tied leaders, then
+    ties; four tied leaders, far apart (in different simdgroups' ranges) or adjacent (one simdgroup step), of
+    which top_p 0.6 keeps the first three (the mass before the fourth is 0.75)."""
+    flat = np.zeros((1, V), np.float32)  # uniform: keeps ids i with i / V < 0.5, i.e. 0..1500 at V = 3001
+    stepped = np.where(np.arange(V) % 7 == 0, 2.0, 0.0).astype(np.float32)[None]
+    rows = [(flat, 0.5), (stepped, 0.7), (stepped, 0.99)]
+    for leaders in ([5, 700, 1500, 2900], [64, 65, 66, 67]):
+        few = np.full((1, V), -30.0, np.float32)
+        few[0, leaders] = 5.0
+        rows.append((few, 0.6))
+    return rows
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_ties_cut_by_top_p(order, rng):
     """Equal logits straddling the top-p boundary: the kept ones are the lowest ids (mass before < top_p)."""
     V = 3001
-    flat = np.zeros((1, V), np.float32)  # uniform: keeps ids i with i / V < 0.5, i.e. 0..1500
-    stepped = np.where(np.arange(V) % 7 == 0, 2.0, 0.0).astype(np.float32)[None]  # 429 tied leaders, then ties
     seen, counts = np.zeros((1, V), np.uint8), np.zeros((1, V), np.int32)
-    for logits, top_p in [(flat, 0.5), (stepped, 0.7), (stepped, 0.99)]:
+    for i, (logits, top_p) in enumerate(tie_rows(V)):
         p = params(seed=int(rng.integers(1 << 63)), top_p=top_p)
         allowed = np.flatnonzero(host_sampler(p, V, seen[0], counts[0]).probabilities(logits[0])[0])
-        if logits is flat:
+        if i == 0:
             np.testing.assert_array_equal(allowed, np.arange(1501))
+        if i >= 3:
+            assert allowed.size == 3
         counters = np.arange(12, dtype=np.uint64)
         r = kernels.sample(np.repeat(logits, 12, 0), np.repeat(seen, 12, 0), np.repeat(counts, 12, 0), counters, p,
                            order=order, seed=order + 1)
@@ -222,10 +253,7 @@ def test_large_counter_and_seed(rng):
     p = params(seed=(1 << 63) + 12345, top_p=0.95)
     counters = np.array([(1 << 32) + 7, (5 << 32), 7], np.uint64)
     r = kernels.sample(np.repeat(logits, 3, 0), np.zeros((3, V), np.uint8), np.zeros((3, V), np.int32), counters, p)
-    cdf = np.cumsum(_core.Sampler(p, V).probabilities(logits[0])[0].astype(np.float64))
-    for t, c in zip(r["tokens"], counters):
-        want = int(np.searchsorted(cdf, u_host(p.seed, int(c)), side="right"))
-        assert t == want or abs(cdf[min(t, want)] - u_host(p.seed, int(c))) < 1e-5
+    check_draws_at_counters(p, logits[0], r["tokens"], counters)
     assert abs(u_device(p.seed, 7) - u_host(p.seed, 7)) < 2.0**-24
 
 

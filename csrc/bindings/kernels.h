@@ -45,6 +45,14 @@ using HostArray = nanobind::ndarray<const T, nanobind::c_contig, nanobind::devic
 template <class T>
 using NumpyArray = nanobind::ndarray<nanobind::numpy, T>;
 
+// A numpy array of `shape` that owns `v`.
+template <class T>
+NumpyArray<T> numpy_of(std::vector<T>&& v, const std::vector<size_t>& shape) {
+  auto* heap = new std::vector<T>(std::move(v));
+  nanobind::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return NumpyArray<T>(heap->data(), shape.size(), shape.data(), owner);
+}
+
 class KernelRun {
  public:
   // tensor_ops: the EmuDevice's has_tensor_ops (EmuOptions; -1 = its default); max_threads: EmuOptions::max_threads.
@@ -78,10 +86,9 @@ class KernelRun {
     size_t n = 1;
     for (size_t s : shape) n *= s;
     if (offset + n * sizeof(T) > b->size) throw std::out_of_range("[kernels] download past the end of '" + b->label + "'");
-    auto* heap = new std::vector<T>(n);
-    if (n) std::memcpy(heap->data(), static_cast<const uint8_t*>(b->contents()) + offset, n * sizeof(T));
-    nanobind::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
-    return NumpyArray<T>(heap->data(), shape.size(), shape.data(), owner);
+    std::vector<T> host(n);
+    if (n) std::memcpy(host.data(), static_cast<const uint8_t*>(b->contents()) + offset, n * sizeof(T));
+    return numpy_of(std::move(host), shape);
   }
 
   nanobind::dict counters() const { return counters_dict(device_->counters()); }

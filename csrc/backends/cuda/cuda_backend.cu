@@ -3,10 +3,13 @@
 //
 // Decode graphs: every kernel that depends on the position reads it from pos_dev_ (set before each step) and
 // the step's input token from tok_dev_, so one decode step's launches are the same every step. The first
-// decode step of a (state, KV capacity, fusions) is captured as a CUDA graph; later steps replay it, the ops
-// only checking that the schedule calls the same sequence. Device-side greedy selection (argmax into the
-// token slot) is part of the graph; a sampled or penalised generation draws on the host from the logits row
-// (the host Sampler, sampling.h), and its decode steps run without a graph.
+// decode step of a (state, KV capacity, fusions, selection kernel) is captured as a CUDA graph; later steps replay it, the ops
+// only checking that the schedule calls the same sequence. Token selection into the token slot is part of the
+// graph: the first maximum (argmax_kernel) for plain greedy, else sample.cuh (penalties, sampling), which reads
+// the generation's parameters, draw counter and penalty tables from device memory (select_begin uploads them,
+// the kernel advances the counter and the tables). Which of the two is the one thing about selection a graph
+// key must say; every sampled generation on a state replays one graph, and no token visits the host between
+// steps.
 #include "cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -22,6 +25,8 @@
 #include "gdn_chunked.cuh"
 #include "gemm.cuh"
 #include "kernels.cuh"
+#include "sample.cuh"
+#include "../gpu/sample_args.h"
 
 namespace lily::cuda {
 namespace {
@@ -108,6 +113,9 @@ class CudaBackend final : public Backend {
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
     CK(allow_decode_smem());
     pos_dev_ = device_alloc<int64_t>(1);
+    sample_args_dev_ = device_alloc<SampleArgs>(1);
+    seen_dev_ = device_alloc<uint8_t>(c_.vocab);
+    counts_dev_ = device_alloc<int32_t>(c_.vocab);
   }
 
   ~CudaBackend() override {
@@ -117,7 +125,8 @@ class CudaBackend final : public Backend {
     for (float* p : act_) cudaFree(p);
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
                                                 route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
-                                                ybuf_, sy_, tokens_, tok_dev_, pos_dev_, argmax_slot_})
+                                                ybuf_, sy_, tokens_, tok_dev_, pos_dev_, argmax_slot_, sample_args_dev_,
+                                                seen_dev_, counts_dev_})
       cudaFree(p);
     cudaStreamDestroy(stream_);
   }
@@ -260,18 +269,20 @@ class CudaBackend final : public Backend {
     CK(cudaMemcpyAsync(pos_dev_, &pos, sizeof pos, cudaMemcpyHostToDevice, stream_));
     ops_ = 0;
     mode_ = Mode::direct;
-    if (phase != Phase::decode || host_select_) return;
-    const GraphKey key{s_->serial, s_->capacity, fusion_bits(f)};
+    if (phase != Phase::decode) return;
+    const GraphKey key{s_->serial, s_->capacity, fusion_bits(f), sampled_};
     mode_ = graph_exec_ && key == graph_key_ ? Mode::replay : Mode::capture_pending;
     graph_key_ = key;
   }
 
   void commit() override {
     if (phase_ == Phase::decode && mode_ != Mode::direct) {
-      // Device greedy selection is part of every decode graph (a step that does not select only leaves the
-      // token slot overwritten by the next embed).
+      // The selection is part of every decode graph. A step that does not select (Engine::logits / feed, only
+      // between generations: one request at a time) thus still selects, as the last generation did: it
+      // overwrites the token slot, which the next embed writes first, and a sampled one advances the counter
+      // and tables, which the next sampled generation's select_begin replaces.
       if (mode_ == Mode::capturing) {
-        select_greedy();
+        launch_selection();
         cudaGraph_t graph = nullptr;
         CK(cudaStreamEndCapture(stream_, &graph));
         if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
@@ -507,26 +518,32 @@ class CudaBackend final : public Backend {
 
   // ---------------------------------------------------------------- token selection
 
+  // A sampled or penalised generation's SampleArgs (parameters and draw counter) and penalty tables into the
+  // device memory sample.cuh reads. Nothing of the host Sampler is needed after this: the kernel keeps the
+  // counter and tables in step on the device, and logprobs come from the raw logits (Sampler::fill_logprobs).
+  // The tables are read only under a penalty, so without one they are left as they are.
   void select_begin(const Sampler& sampler) override {
-    sampler_ = std::make_unique<Sampler>(sampler);
-    host_select_ = !sampler.params().greedy() || sampler.params().penalised();
+    selecting_ = true;
     pending_ = false;
+    sampled_ = !sampler.params().greedy() || sampler.params().penalised();
+    if (!sampled_) return;
+    const SampleArgs args = gpu::sample_args(sampler.params(), c_.vocab, sampler.draws());
+    CK(cudaMemcpyAsync(sample_args_dev_, &args, sizeof args, cudaMemcpyHostToDevice, stream_));
+    std::vector<int32_t> counts;
+    if (sampler.params().penalised()) {
+      counts.assign(size_t(c_.vocab), 0);
+      for (const auto& [token, n] : sampler.counts()) counts[size_t(token)] = n;
+      CK(cudaMemcpyAsync(seen_dev_, sampler.seen().data(), size_t(c_.vocab), cudaMemcpyHostToDevice, stream_));
+      CK(cudaMemcpyAsync(counts_dev_, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice, stream_));
+    }
+    CK(cudaStreamSynchronize(stream_));  // the copies read `args` and `counts`, locals
   }
 
   void select_token() override {
-    if (!sampler_) throw std::logic_error("[cuda] select_token() before select_begin()");
+    if (!selecting_) throw std::logic_error("[cuda] select_token() before select_begin()");
     pending_ = true;
-    if (host_select_) {
-      std::vector<float> row(size_t(c_.vocab));
-      read_logits(row.data(), 1);
-      const int32_t t = sampler_->sample(row.data()).token;
-      sampler_->accept(t);
-      CK(cudaMemcpyAsync(tok_dev_, &t, 4, cudaMemcpyHostToDevice, stream_));
-      CK(cudaStreamSynchronize(stream_));  // `t` is a local the copy reads
-      return;
-    }
     if (phase_ == Phase::decode && mode_ != Mode::direct) return;  // in the graph (commit)
-    select_greedy();
+    launch_selection();
   }
 
   int32_t read_token(float* logits) override {
@@ -536,7 +553,6 @@ class CudaBackend final : public Backend {
     CK(cudaMemcpyAsync(&t, tok_dev_, 4, cudaMemcpyDeviceToHost, stream_));
     if (logits) CK(cudaMemcpyAsync(logits, act(Act::logits), size_t(c_.vocab) * 4, cudaMemcpyDeviceToHost, stream_));
     CK(cudaStreamSynchronize(stream_));
-    if (!host_select_) sampler_->accept(t);
     return t;
   }
 
@@ -547,8 +563,9 @@ class CudaBackend final : public Backend {
     uint64_t state = 0;  // CudaState::serial
     int64_t capacity = 0;
     uint32_t fusions = 0;
+    bool sampled = false;  // sample_token_kernel selects, not argmax_kernel
     bool operator==(const GraphKey& o) const {
-      return state == o.state && capacity == o.capacity && fusions == o.fusions;
+      return state == o.state && capacity == o.capacity && fusions == o.fusions && sampled == o.sampled;
     }
   };
   static uint32_t fusion_bits(const Fusions& f) {
@@ -557,6 +574,16 @@ class CudaBackend final : public Backend {
     uint32_t v = 0;
     for (size_t i = 0; i < sizeof bits; ++i) v |= uint32_t(bits[i]) << i;
     return v;
+  }
+
+  // The token of logits row 0 into the token slot.
+  void launch_selection() {
+    if (sampled_)
+      launch_dependent(sample_token_kernel, 1, LILY_SAMPLE_THREADS, 0, sample_args_dev_, act(Act::logits), seen_dev_,
+                       counts_dev_, tok_dev_);
+    else
+      launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, act(Act::logits), c_.vocab,
+                       argmax_slot_, tok_dev_);
   }
 
   // Counts the op; false when a replayed graph already holds its launches.
@@ -710,12 +737,6 @@ class CudaBackend final : public Backend {
     CK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
   }
 
-  // Device greedy selection: the logits row's first maximum into the token slot.
-  void select_greedy() {
-    launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, act(Act::logits), c_.vocab,
-                     argmax_slot_, tok_dev_);
-  }
-
   void swiglu(const float* g, const float* u, float* h, int64_t n) {
     swiglu_kernel<<<int((n + 255) / 256), 256, 0, stream_>>>(g, u, h, n);
   }
@@ -771,8 +792,12 @@ class CudaBackend final : public Backend {
   int ops_ = 0, graph_ops_ = 0;
   cudaGraphExec_t graph_exec_ = nullptr;
   GraphKey graph_key_;
-  std::unique_ptr<Sampler> sampler_;
-  bool host_select_ = false, pending_ = false;
+  // Token selection: sampled_ (sample.cuh, not argmax) with the generation's SampleArgs (its counter advanced
+  // by the kernel) and the penalty tables seen [V] and counts [V] (sampling.h).
+  SampleArgs* sample_args_dev_ = nullptr;
+  uint8_t* seen_dev_ = nullptr;
+  int32_t* counts_dev_ = nullptr;
+  bool selecting_ = false, pending_ = false, sampled_ = false;
 };
 
 }  // namespace
@@ -792,6 +817,41 @@ std::string unavailable_reason() {
 
 std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows) {
   return std::make_unique<CudaBackend>(model, max_rows);
+}
+
+void sample_rows(const float* logits, uint8_t* seen, int32_t* counts, uint64_t* counters, int rows, int vocab,
+                 int steps, const SamplingParams& params, int32_t* tokens, float* logits_after) {
+  if (rows < 1 || vocab < 1 || steps < 1)
+    throw std::invalid_argument("[cuda] sample_rows: rows, vocab and steps must be positive, got " +
+                                std::to_string(rows) + ", " + std::to_string(vocab) + ", " + std::to_string(steps));
+  if (const std::string why = unavailable_reason(); !why.empty()) throw std::runtime_error("[cuda] " + why);
+  const size_t cells = size_t(rows) * vocab;
+  std::vector<SampleArgs> args(static_cast<size_t>(rows));
+  for (int r = 0; r < rows; ++r) args[r] = gpu::sample_args(params, vocab, counters[r]);
+  struct Free {
+    void operator()(void* p) const { cudaFree(p); }
+  };
+  const std::unique_ptr<float, Free> l(device_alloc<float>(cells));
+  const std::unique_ptr<uint8_t, Free> s(device_alloc<uint8_t>(cells));
+  const std::unique_ptr<int32_t, Free> c(device_alloc<int32_t>(cells));
+  const std::unique_ptr<SampleArgs, Free> a(device_alloc<SampleArgs>(rows));
+  const std::unique_ptr<int32_t, Free> t(device_alloc<int32_t>(size_t(rows) * steps));
+  CK(cudaMemcpy(l.get(), logits, cells * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(s.get(), seen, cells, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(c.get(), counts, cells * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(a.get(), args.data(), args.size() * sizeof(SampleArgs), cudaMemcpyHostToDevice));
+  for (int r = 0; r < rows; ++r)
+    for (int k = 0; k < steps; ++k)
+      sample_token_kernel<<<1, LILY_SAMPLE_THREADS>>>(a.get() + r, l.get() + size_t(r) * vocab,
+                                                      s.get() + size_t(r) * vocab, c.get() + size_t(r) * vocab,
+                                                      t.get() + size_t(r) * steps + k);
+  CK(cudaGetLastError());
+  CK(cudaMemcpy(tokens, t.get(), size_t(rows) * steps * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(seen, s.get(), cells, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(counts, c.get(), cells * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(logits_after, l.get(), cells * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(args.data(), a.get(), args.size() * sizeof(SampleArgs), cudaMemcpyDeviceToHost));
+  for (int r = 0; r < rows; ++r) counters[r] = uint64_t(args[r].counter_hi) << 32 | args[r].counter_lo;
 }
 
 }  // namespace lily::cuda

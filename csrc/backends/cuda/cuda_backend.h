@@ -4,6 +4,7 @@
 // dequantised tile by tile); a decode step is captured once as a CUDA graph and replayed.
 // Plain C++ so the bindings include it without nvcc.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -15,5 +16,13 @@ namespace lily::cuda {
 std::string unavailable_reason();
 
 std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows);
+
+// The device sampler (sample.cuh) alone, for tests (csrc/bindings/kernels_sample.cpp): for each row r of
+// logits f32 [rows, vocab], `steps` selections one after another, each reading the seen uint8 / counts int32
+// [rows, vocab] row and the Philox counter counters[r] as the one before left them (as a generation's decode
+// steps do). tokens: int32 [rows, steps]; seen, counts and counters are updated in place; logits_after
+// [rows, vocab] receives the logits as the device left them.
+void sample_rows(const float* logits, uint8_t* seen, int32_t* counts, uint64_t* counters, int rows, int vocab,
+                 int steps, const SamplingParams& params, int32_t* tokens, float* logits_after);
 
 }  // namespace lily::cuda

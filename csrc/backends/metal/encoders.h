@@ -17,6 +17,7 @@
 #include "../../core/sampling.h"
 #include "../../core/weights.h"
 #include "../gpu/gpu_backend.h"
+#include "../gpu/sample_args.h"
 #include "device.h"
 #include "lily_args.h"
 
@@ -64,10 +65,8 @@ void encode_copy_rows(Encoder& enc, View src, View dst, int rows, uint64_t row_b
                       uint64_t dst_stride);
 
 // ---------------------------------------------------------------- sample (metal/sample.metal)
-// SampleArgs for one step of a request: its SamplingParams (validated) and the Philox counter = the draws so
-// far (sampling.h: one draw per non-greedy token, so the counter of step n is the number of earlier
-// non-greedy steps). Shared by the backend and the kernel tests.
-SampleArgs sample_args(const SamplingParams& p, int vocab, uint64_t counter);
+// SampleArgs for one step of a request (gpu/sample_args.h, shared with the CUDA backend).
+using gpu::sample_args;
 // token ← a draw from logits f32 [vocab] with Sampler's semantics (sampling.h), then seen[token] = 1 and
 // ++counts[token] (Sampler::accept). seen uint8 [vocab] (prompt + generated), counts int32 [vocab]
 // (generated); logits are left unmodified. One dispatch of one threadgroup.
