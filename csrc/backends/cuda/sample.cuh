@@ -12,6 +12,9 @@
 //   included, as GpuBackend's host counter does.
 // - The top-p masses (fixed point, 2^40) are summed with 64-bit shared-memory atomics instead of two 32-bit
 //   halves: still integer sums, so the top-p cut does not depend on the order threads run in.
+// - One block has only its own loads in flight, so every pass loads kBatch ids a thread before using them,
+//   and the CDF pass sums each lane's ids before one warp reduction (Metal: a simd_sum per 32 ids); the
+//   re-walk carries its running sum as the last lane's inclusive prefix, the value its crossing test compares.
 // - simd_* collectives are warp shuffles and ballots; exp is expf (full precision: the build uses no fast
 //   math), so the fp32 differences from the host's double are those sample.metal's header describes.
 // Previous hop: CudaBackend::select_token (cuda_backend.cu); tests: tests/test_cuda.py (cuda_sample).
@@ -43,18 +46,57 @@ __device__ __forceinline__ float key_value(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
-__device__ __forceinline__ float penalised(const SampleArgs& a, const float* logits, const uint8_t* seen,
-                                           const int32_t* counts, int i) {
-  float l = logits[i];
+// The penalised logit of a token with logit l, seen flag s and generated count c (sampling.h's steps 1-2).
+__device__ __forceinline__ float penalise(const SampleArgs& a, float l, uint8_t s, int32_t c) {
   if (isnan(l)) return -INFINITY;
-  if (a.repetition_penalty != 1.0f && seen[i] != 0) l = l > 0.0f ? l / a.repetition_penalty : l * a.repetition_penalty;
-  if (a.presence_penalty != 0.0f || a.frequency_penalty != 0.0f) {
-    const int c = counts[i];
-    // Rounded as the host rounds it (no FMA contraction), so penalised greedy ties break as on the host.
-    if (c > 0) l -= __fadd_rn(__fmul_rn(a.frequency_penalty, float(c)), a.presence_penalty);
-  }
+  if (a.repetition_penalty != 1.0f && s != 0) l = l > 0.0f ? l / a.repetition_penalty : l * a.repetition_penalty;
+  // Rounded as the host rounds it (no FMA contraction), so penalised greedy ties break as on the host.
+  if ((a.presence_penalty != 0.0f || a.frequency_penalty != 0.0f) && c > 0)
+    l -= __fadd_rn(__fmul_rn(a.frequency_penalty, float(c)), a.presence_penalty);
   return l;
 }
+
+// Ids a pass loads before it uses any: one block has only its own threads' loads in flight, and a row read
+// one load a thread at a time is bound by the memory latency (argmax_kernel measured ~100 µs over 248K logits).
+constexpr int kBatch = 8;
+
+// The row every pass re-reads: logits and, under a penalty, seen / counts.
+struct PenalisedRow {
+  const SampleArgs& a;
+  const float* logits;
+  const uint8_t* seen;
+  const int32_t* counts;
+
+  // l[j]: the penalised logit of id first + j · stride, -inf from `end` on.
+  __device__ __forceinline__ void load(int first, int stride, int end, float (&l)[kBatch]) const {
+    const bool rep = a.repetition_penalty != 1.0f, freq = a.presence_penalty != 0.0f || a.frequency_penalty != 0.0f;
+    float raw[kBatch];
+    uint8_t s[kBatch];
+    int32_t c[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = first + j * stride;
+      raw[j] = i < end ? logits[i] : -INFINITY;
+      s[j] = rep && i < end ? seen[i] : 0;
+      c[j] = freq && i < end ? counts[i] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) l[j] = penalise(a, raw[j], s[j], c[j]);
+  }
+
+  // f(i, l) for the block's share of the ids, i = threadIdx.x + k · blockDim.x in increasing k.
+  template <class F>
+  __device__ __forceinline__ void for_each(F&& f) const {
+    const int V = a.vocab, n = int(blockDim.x);
+    for (int base = int(threadIdx.x); base < V; base += kBatch * n) {
+      float l[kBatch];
+      load(base, n, V, l);
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j)
+        if (base + j * n < V) f(base + j * n, l[j]);
+    }
+  }
+};
 
 // Unnormalised probability relative to the largest (which gets exactly 1).
 __device__ __forceinline__ float mass(float l, float mx, float inv_t) { return expf((l - mx) * inv_t); }
@@ -72,8 +114,6 @@ __device__ __forceinline__ uint32_t philox_word0(uint32_t k0, uint32_t k1, uint3
   }
   return c0;
 }
-
-__device__ __forceinline__ uint32_t warp_count(bool p) { return __popc(__ballot_sync(0xffffffffu, p)); }
 
 // Inclusive prefix sum over the warp's lanes in lane order.
 __device__ __forceinline__ float warp_prefix_sum(float v, int lane) {
@@ -132,17 +172,17 @@ sample_token_kernel(SampleArgs* args, const float* logits, uint8_t* seen, int32_
   const int tid = threadIdx.x, nthreads = blockDim.x, lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
   const int V = a.vocab;
   const bool top_k = a.temperature > 0.0f && a.top_k > 0 && a.top_k < V;
+  const PenalisedRow row{a, logits, seen, counts};
 
   // ---- pass 1: the first maximum of the penalised logits, and the top-k histogram of the key's top digit.
   if (top_k) hist.clear();
   __syncthreads();
   float bv = -INFINITY;
   uint32_t bi = kNoToken;
-  for (int i = tid; i < V; i += nthreads) {
-    const float l = penalised(a, logits, seen, counts, i);
+  row.for_each([&](int i, float l) {
     if (bi == kNoToken || l > bv) bv = l, bi = uint32_t(i);
     if (top_k) atomicAdd(&hist.n[order_key(l) >> 24], 1u);
-  }
+  });
   float mx = bv;
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -197,10 +237,10 @@ sample_token_kernel(SampleArgs* args, const float* logits, uint8_t* seen, int32_
       }
       hist.clear();
       __syncthreads();
-      for (int i = tid; i < V; i += nthreads) {
-        const uint32_t k = order_key(penalised(a, logits, seen, counts, i));
+      row.for_each([&](int, float l) {
+        const uint32_t k = order_key(l);
         if (k >> shift == prefix) atomicAdd(&hist.n[(k >> (shift - 8)) & 0xFFu], 1u);
-      }
+      });
     }
   }
 
@@ -216,15 +256,14 @@ sample_token_kernel(SampleArgs* args, const float* logits, uint8_t* seen, int32_
     for (int shift = 24;; shift -= 8) {
       hist.clear();
       __syncthreads();
-      for (int i = tid; i < V; i += nthreads) {
-        const float l = penalised(a, logits, seen, counts, i);
+      row.for_each([&](int, float l) {
         const uint32_t k = order_key(l);
         if (k >= lo && (shift == 24 || k >> (shift + 8) == prefix)) {
           const uint32_t bin = (k >> shift) & 0xFFu;
           atomicAdd(&hist.n[bin], 1u);
           atomicAdd(&hist.m[bin], static_cast<unsigned long long>(mass(l, mx, inv_t) * kMassScale));
         }
-      }
+      });
       __syncthreads();
       if (tid == 0) {
         if (shift == 24) {
@@ -263,18 +302,25 @@ sample_token_kernel(SampleArgs* args, const float* logits, uint8_t* seen, int32_
   // ---- the CDF in id order: kept mass per warp range (min_p: e >= min_p, e of the maximum being 1).
   const int R = ((V + nwarps - 1) / nwarps + 31) / 32 * 32;
   const int begin = warp * R, end = min(V, begin + R);
-  float warp_mass = 0.0f;
-  uint32_t warp_ties = 0;
-  for (int base = begin; base < end; base += 32) {
-    const int i = base + lane;
-    const float l = i < end ? penalised(a, logits, seen, counts, i) : -INFINITY;
-    const uint32_t k = order_key(l);
-    const float e = mass(l, mx, inv_t);
-    const bool kept = k >= lo && e >= a.min_p;
-    const bool tie = partial && kept && k == theta;
-    warp_mass += warp_sum(kept && !tie ? e : 0.0f);
-    warp_ties += warp_count(tie);
+  // Each lane sums its own ids first (no collective per step); the re-walk's sums round a little differently,
+  // which only moves a CDF step by rounding (the fallback below catches a crossing rounding lost).
+  float lane_mass = 0.0f;
+  uint32_t lane_ties = 0;
+  for (int base = begin; base < end; base += 32 * kBatch) {
+    float l[kBatch];
+    row.load(base + lane, 32, end, l);
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const uint32_t k = order_key(l[j]);
+      const float e = mass(l[j], mx, inv_t);
+      const bool kept = k >= lo && e >= a.min_p;
+      const bool tie = partial && kept && k == theta;
+      lane_mass += kept && !tie ? e : 0.0f;
+      lane_ties += tie;
+    }
   }
+  const float warp_mass = warp_sum(lane_mass);
+  const uint32_t warp_ties = __reduce_add_sync(0xffffffffu, lane_ties);
   __syncthreads();  // part_v / part_u are reused
   if (lane == 0) part_v[warp] = warp_mass, part_u[warp] = warp_ties;
   __syncthreads();
@@ -308,25 +354,34 @@ sample_token_kernel(SampleArgs* args, const float* logits, uint8_t* seen, int32_
   float run = star_cum;
   uint32_t tie_run = star_ties;
   int chosen = -1, last_kept = -1;
-  for (int base = begin; base < end && chosen < 0; base += 32) {
-    const int i = base + lane;
-    const float l = i < end ? penalised(a, logits, seen, counts, i) : -INFINITY;
-    const uint32_t k = order_key(l);
-    const float e = mass(l, mx, inv_t);
-    bool kept = k >= lo && e >= a.min_p;
-    const bool tie = partial && kept && k == theta;
-    const uint32_t rank = tie_run + __popc(__ballot_sync(0xffffffffu, tie) & ((1u << lane) - 1u));
-    if (tie) kept = rank < n_keep;
-    const float w = kept ? e : 0.0f;
-    const float incl = run + warp_prefix_sum(w, lane);
-    const uint32_t hit = __ballot_sync(0xffffffffu, kept && incl > r);
-    const uint32_t any = __ballot_sync(0xffffffffu, kept);
-    if (hit != 0) chosen = base + __ffs(hit) - 1;
-    if (any != 0) last_kept = base + 31 - __clz(any);
-    run += warp_sum(w);
-    tie_run += warp_count(tie);
+  for (int base = begin; base < end && chosen < 0; base += 32 * kBatch) {
+    float l[kBatch];
+    row.load(base + lane, 32, end, l);
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int step = base + 32 * j;
+      const uint32_t k = order_key(l[j]);
+      const float e = mass(l[j], mx, inv_t);
+      bool kept = k >= lo && e >= a.min_p;
+      const bool tie = partial && kept && k == theta;
+      const uint32_t ties = __ballot_sync(0xffffffffu, tie);
+      if (tie) kept = tie_run + __popc(ties & ((1u << lane) - 1u)) < n_keep;  // rank in id order
+      const float w = kept ? e : 0.0f;
+      const float incl = run + warp_prefix_sum(w, lane);
+      const uint32_t hit = __ballot_sync(0xffffffffu, kept && incl > r);
+      const uint32_t any = __ballot_sync(0xffffffffu, kept);
+      if (hit != 0) {
+        chosen = step + __ffs(hit) - 1;
+        break;
+      }
+      if (any != 0) last_kept = step + 31 - __clz(any);
+      run = __shfl_sync(0xffffffffu, incl, 31);
+      tie_run += __popc(ties);
+    }
   }
-  if (lane == 0) record_token(args, a, uint32_t(chosen >= 0 ? chosen : last_kept), token, seen, counts);
+  // Nothing kept only where every mass is NaN (a +inf logit): then the first maximum, never an id off the row.
+  const int t = chosen >= 0 ? chosen : last_kept >= 0 ? last_kept : int(arg);
+  if (lane == 0) record_token(args, a, uint32_t(t), token, seen, counts);
 }
 
 }  // namespace lily::cuda
