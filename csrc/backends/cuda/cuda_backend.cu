@@ -747,6 +747,9 @@ class CudaBackend final : public Backend {
     cudaFree(act_[int(Act::logits)]);
     act_[int(Act::logits)] = device_alloc<float>(size_t(rows) * c_.vocab);
     logit_rows_ = rows;
+    // the decode graph reads and selects from the logits row it was captured with
+    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+    graph_exec_ = nullptr;
   }
 
   float* act(Act a) { return act_[int(a)]; }
