@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-build kernels decode test synth bench chunk512 lilybench}  # also: profile ncu
+STEPS=${STEPS:-build kernels decode test synth bench chunk512 lilybench}  # also: bytes profile ncu
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
@@ -83,6 +83,11 @@ if has lilybench; then
   wait_synth
   timeout 200 python3 -m lily.cli bench --backend cuda --model /tmp/synth-full --lengths 4096 --contexts 4096 \
     --decode-tokens 32 --repeats 2 --quiet --json "$OUT/lily_bench_cuda_full.json" 2>&1 | tail -15
+fi
+if has bytes; then
+  wait_synth
+  log "bytes per decode step (ncu)"
+  timeout 240 python3 benchmarks/cuda_bytes.py --model /tmp/synth-full --json "$OUT/cuda_bytes.json" 2>&1 | tail -3
 fi
 if has profile; then
   wait_synth

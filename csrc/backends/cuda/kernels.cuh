@@ -1180,6 +1180,7 @@ __global__ void argmax_kernel(const float* logits, int V, ArgmaxSlot* slot, int3
     atomicMax(&slot->key, best);
     __threadfence();
     if (atomicAdd(&slot->done, 1u) == gridDim.x - 1) {
+      __threadfence();  // every block's atomicMax before this read (atomics to two addresses may pass each other)
       const unsigned long long k = atomicExch(&slot->key, 0ull);
       *token = int32_t(~uint32_t(k));
       slot->done = 0;
