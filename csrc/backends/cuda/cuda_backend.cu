@@ -3,8 +3,8 @@
 //
 // Decode graphs: every kernel that depends on the position reads it from pos_dev_ (set before each step) and
 // the step's input token from tok_dev_, so one decode step's launches are the same every step. The first
-// decode step of a (state, KV capacity, fusions, selection kernel) is captured as a CUDA graph; later steps replay it, the ops
-// only checking that the schedule calls the same sequence. Token selection into the token slot is part of the
+// decode step of a (state, KV capacity, fusions, selection kernel) is captured as a CUDA graph; later steps
+// replay it, the ops only checking that the schedule calls the same sequence. Token selection into the token slot is part of the
 // graph: the first maximum (argmax_kernel) for plain greedy, else sample.cuh (penalties, sampling), which reads
 // the generation's parameters, draw counter and penalty tables from device memory (select_begin uploads them,
 // the kernel advances the counter and the tables). Which of the two is the one thing about selection a graph
