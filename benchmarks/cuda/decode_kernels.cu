@@ -139,7 +139,7 @@ struct Job {
 };
 
 void launch_gemv(GemvJobs jobs, const float* x, int cols, const float* norm, float* xn_out) {
-  const uint32_t stage_bytes = plan_gemv(jobs);
+  const uint32_t stage_bytes = plan_gemv(jobs, sms);
   const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), sms, "gemv");
   launch(by_cols(cols, [](auto U) { return gemv_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
          jobs, x, cols, norm, 1e-6f, xn_out, g.stages, stage_bytes);
@@ -366,7 +366,7 @@ void stream_case(int rows, int cols) {
   make_weights(w, 1, rows, cols, 4, kBF16, kBF16, 64);
   GemvJobs jobs;
   jobs.W[0] = w.W, jobs.n = 1;
-  const uint32_t stage_bytes = plan_gemv(jobs);
+  const uint32_t stage_bytes = plan_gemv(jobs, sms);
   const DecodeGrid g = decode_grid(jobs.tile_first[1], stage_bytes, gemv_row_bytes(cols), sms, "stream");
   float* sink = upload(std::vector<float>(1));
   const double us = graph_us([&] {

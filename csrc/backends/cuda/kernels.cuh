@@ -1100,8 +1100,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) moe_down_kernel(MoeDecode m
 // ---------------------------------------------------------------- the decode kernels' launch geometry (host)
 
 // A decode kernel's grid over `tiles` tiles of stage_bytes each, with `extra` bytes of shared memory beside
-// them: two blocks an SM where there are tiles for them (16 warps to hide the dot products' latency), else a
-// block an SM, and as many stages as a block has tiles, up to the budget (which fits two blocks an SM).
+// them: a block a tile up to two blocks an SM (16 warps to hide the dot products' latency), and as many
+// stages as a block has tiles, up to the budget (which fits two blocks an SM).
 struct DecodeGrid {
   int blocks, stages;
   size_t smem;
@@ -1112,21 +1112,25 @@ inline DecodeGrid decode_grid(int tiles, uint32_t stage_bytes, uint32_t extra, i
     throw std::invalid_argument("[cuda] " + what + ": a tile of " + std::to_string(stage_bytes) + " bytes and " +
                                 std::to_string(extra) + " more exceed a decode block's shared memory (" +
                                 std::to_string(kDecodeSmem) + ")");
-  const int blocks = std::min(tiles, tiles >= 2 * sms ? 2 * sms : sms);
+  const int blocks = std::min(tiles, 2 * sms);
   const int stages = std::min((tiles + blocks - 1) / blocks, fit);
   return {blocks, stages, size_t(stages) * stage_bytes + extra};
 }
 
 inline uint32_t gemv_row_bytes(int cols) { return padded_floats(cols) * sizeof(float); }
 
-// The jobs' tiles: 16 rows where two stages fit a block's shared memory, else 8; returns a stage's bytes.
-inline uint32_t plan_gemv(GemvJobs& jobs) {
+// The jobs' tiles: 16 rows where two stages fit a block's shared memory and the tiles still fill two blocks an
+// SM, else 8 (the 4,096-column projections: 128 tiles of 16 rows left one block an SM computing 16 rows of
+// 4,096 columns); returns a stage's bytes.
+inline uint32_t plan_gemv(GemvJobs& jobs, int sms) {
   auto stage_for = [&](int tr) {
     uint32_t b = 0;
     for (int j = 0; j < jobs.n; ++j) b = std::max(b, tile_bytes(jobs.W[j], tr));
     return b;
   };
-  jobs.tile_rows = 2 * stage_for(16) + gemv_row_bytes(jobs.W[0].cols) <= kDecodeSmem ? 16 : 8;
+  int tiles16 = 0;
+  for (int j = 0; j < jobs.n; ++j) tiles16 += (jobs.W[j].rows + 15) / 16;
+  jobs.tile_rows = 2 * stage_for(16) + gemv_row_bytes(jobs.W[0].cols) <= kDecodeSmem && tiles16 >= 2 * sms ? 16 : 8;
   for (int j = 0; j < jobs.n; ++j)
     jobs.tile_first[j + 1] = jobs.tile_first[j] + (jobs.W[j].rows + jobs.tile_rows - 1) / jobs.tile_rows;
   return stage_for(jobs.tile_rows);
