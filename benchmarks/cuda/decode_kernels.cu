@@ -22,13 +22,7 @@ cudaStream_t stream;
 
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
-  cfg.attrs = &attr, cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
+  CK(launch_dependent(stream, kernel, grid, block, smem, args...));
 }
 
 // Median microseconds of one `body()` (which issues `per` launches into `stream`), captured as a graph.
@@ -40,27 +34,10 @@ double graph_us(F&& body, int per) {
   body();
   CK(cudaStreamEndCapture(stream, &g));
   CK(cudaGraphInstantiate(&ge, g, 0));
-  CK(cudaGraphLaunch(ge, stream));
-  CK(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < 10; ++i) {
-    CK(cudaEventRecord(a, stream));
-    CK(cudaGraphLaunch(ge, stream));
-    CK(cudaEventRecord(b, stream));
-    CK(cudaEventSynchronize(b));
-    float t = 0.f;
-    CK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  CK(cudaGetLastError());
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  const float ms = time_ms([&] { CK(cudaGraphLaunch(ge, stream)); }, 10, stream);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
-  return median(ms) * 1e3 / per;
+  return ms * 1e3 / per;
 }
 
 uint64_t weight_bytes(const LinDev& W) { return uint64_t(W.rows) * (W.w_row + 2 * W.s_row); }

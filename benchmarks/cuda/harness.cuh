@@ -77,8 +77,9 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+// Median milliseconds of launch() (which issues its work into `stream`), after one warm-up.
 template <class F>
-float time_ms(F&& launch, int repeats = 15) {
+float time_ms(F&& launch, int repeats = 15, cudaStream_t stream = 0) {
   launch();  // warm-up (and the shared-memory attribute)
   CK(cudaDeviceSynchronize());
   cudaEvent_t a, b;
@@ -86,9 +87,9 @@ float time_ms(F&& launch, int repeats = 15) {
   CK(cudaEventCreate(&b));
   std::vector<float> ms;
   for (int i = 0; i < repeats; ++i) {
-    CK(cudaEventRecord(a));
+    CK(cudaEventRecord(a, stream));
     launch();
-    CK(cudaEventRecord(b));
+    CK(cudaEventRecord(b, stream));
     CK(cudaEventSynchronize(b));
     float t = 0.f;
     CK(cudaEventElapsedTime(&t, a, b));

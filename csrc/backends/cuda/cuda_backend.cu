@@ -728,13 +728,7 @@ class CudaBackend final : public Backend {
   // it drains, instead of a launch latency and a memory latency after it. Kept in the decode graph.
   template <class... P, class... A>
   void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream_;
-    cfg.attrs = &attr, cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
+    CK(cuda::launch_dependent(stream_, kernel, grid, block, smem, args...));
   }
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {

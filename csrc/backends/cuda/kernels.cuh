@@ -42,6 +42,19 @@ __device__ __forceinline__ float load_param(const uint8_t* p, int dt, int i) {
 __device__ __forceinline__ void start_next_kernel() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void wait_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// A launch whose kernel may start while the one before it in `stream` drains (the host side of the above).
+template <class... P, class... A>
+cudaError_t launch_dependent(cudaStream_t stream, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                             A... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
+  cfg.attrs = &attr, cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, P(args)...);
+}
+
 // The 16-byte-aligned part of [p, p + bytes) into L2 (a hint: one bulk request, no registers held).
 __device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes) {
   const uint64_t a = (reinterpret_cast<uint64_t>(p) + 15) & ~uint64_t(15);
