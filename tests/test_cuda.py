@@ -4,7 +4,8 @@ transformers in fp32; every prefill chunk remainder (1, 2, chunk - 1 and a multi
 identical on the peaked model, through the captured decode graph, also across a KV-cache growth (a new graph);
 sampled and penalised tokens, selected on the device inside the decode graph, equal to the host sampler
 (lily.Sampler) drawing from the same CUDA logits, also over several generations replaying one graph. The device
-sampler (sample.cuh) alone against the host sampler with test_sample.py's criterion. Runs where a CUDA device is
+sampler (sample.cuh) alone against the host sampler with test_sample.py's criterion. Two decode steps in flight
+equal to one at a time, and the step run ahead undone on a stop. Runs where a CUDA device is
 present and skips with lily.backend_unavailable's reason otherwise; the build check runs everywhere.
 """
 import shutil
@@ -20,6 +21,9 @@ _why = lily.backend_unavailable("cuda")
 needs_device = pytest.mark.skipif(_why is not None, reason=f"backend 'cuda': {_why}")
 
 from test_metal_model import CASES, DECODE, PREFILL, engine, ids, run, stats  # noqa: E402,F401  (ids: fixture)
+from test_pipeline import next_logits  # noqa: E402
+from test_pipeline import params as pipe_params  # noqa: E402
+from test_pipeline import run as pipe_run  # noqa: E402
 from test_sample import CASES as SAMPLE_CASES  # noqa: E402
 from test_sample import (QWEN_VOCAB, VOCABS, check_draws_at_counters, compare_with_host, params,  # noqa: E402
                          random_history, random_rows, tie_rows)
@@ -170,6 +174,64 @@ def test_generations_on_one_session_share_graphs(ids):
     mirror = e.new_session()
     for (new, opts), tokens in zip(turns, got):
         assert tokens == host_draws(e, mirror, new, opts, n)
+
+
+# ---------------------------------------------------------------- two decode steps in flight
+
+def pipelined(on):
+    return engine(tm.PEAKED, "mlx_q4_bf16", "cuda", metal_options={"pipeline": on})
+
+
+@needs_device
+@pytest.mark.parametrize("opts", [dict(), GENERATIONS["penalties"]], ids=["greedy", "sampled"])
+def test_pipelined_equals_one_step_at_a_time(opts, ids):
+    """The CPU commits step n + 1 before it reads step n's token (the steps write alternate token slots, logits
+    rows and GDN state copies): tokens, logprobs, session tokens, position and the next logits are those of the
+    backend driven one step at a time."""
+    prompt, _ = ids
+    prompt = np.asarray(prompt, np.int32)
+    p = pipe_params(**{**opts, "logprobs": True, "top_logprobs": 2})
+    runs = []
+    for on in (True, False):
+        s = pipelined(on)._core.new_session()
+        g = pipelined(on)._core.generation(s, prompt, 10, [], p)
+        choices = [g.next() for _ in range(10)]
+        assert g.done and g.pipelined == on
+        runs.append(([c.token for c in choices], [c.logprob for c in choices], s))
+    (a, la, sa), (b, lb, sb) = runs
+    assert a == b
+    # each token's logprob from its own step's logits row, not the row of the step queued behind it
+    np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6)
+    assert sa.tokens == sb.tokens == list(prompt) + a[:-1]
+    assert sa.position == sb.position
+    np.testing.assert_array_equal(next_logits(pipelined(True), sa, a[-1]), next_logits(pipelined(False), sb, b[-1]))
+
+
+@needs_device
+@pytest.mark.parametrize("how", ["stop_id", "close"])
+def test_the_step_run_ahead_is_undone(how, ids):
+    """A stop id at token 4, or close() after it: the step the pipelined run committed ahead is rolled back
+    (position, GDN copy, token slot), leaving the session as the one-step-at-a-time run leaves it; a later
+    generation on it continues identically."""
+    prompt, _ = ids
+    prompt = np.asarray(prompt, np.int32)
+    on, off = pipelined(True), pipelined(False)
+    ref, _, _ = pipe_run(off, prompt, 12)
+    stop = ref[4]
+    assert stop not in ref[:4], "pick a prompt whose greedy run does not repeat the token"
+    kw = dict(stop_ids=[stop]) if how == "stop_id" else dict(stop_after=5)
+    a, sa, ga = pipe_run(on, prompt, 12, **kw)
+    b, sb, gb = pipe_run(off, prompt, 12, **kw)
+    assert a == b == ref[:5]
+    assert ga.finish_reason == gb.finish_reason == ("stop" if how == "stop_id" else "cancelled")
+    assert sa.tokens == sb.tokens == list(prompt) + ref[:4]
+    assert sa.position == sb.position == len(prompt) + 4
+    follow = 7 if ref[4] != 7 else 8
+    np.testing.assert_array_equal(next_logits(on, sa, follow), next_logits(off, sb, follow))
+    more = np.asarray([follow], np.int32)
+    ca = on._core.generation(sa, more, 4, [], pipe_params())
+    cb = off._core.generation(sb, more, 4, [], pipe_params())
+    assert [ca.next().token for _ in range(4)] == [cb.next().token for _ in range(4)]
 
 
 # ---------------------------------------------------------------- the device sampler alone (sample.cuh)

@@ -17,7 +17,7 @@ using namespace lily::cuda::harness;
 
 namespace {
 
-int sms = 0;
+int sms = 0, slots = 0;  // slots: decode_slots, for the blocks an SM this pass runs
 cudaStream_t stream;
 
 template <class... P, class... A>
@@ -116,8 +116,8 @@ struct Job {
 };
 
 void launch_gemv(GemvJobs jobs, const float* x, int cols, const float* norm, float* xn_out) {
-  const uint32_t stage_bytes = plan_gemv(jobs, sms);
-  const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), sms, "gemv");
+  const uint32_t stage_bytes = plan_gemv(jobs, slots);
+  const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), slots, "gemv");
   launch(by_cols(cols, [](auto U) { return gemv_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
          jobs, x, cols, norm, 1e-6f, xn_out, g.stages, stage_bytes);
 }
@@ -200,11 +200,11 @@ struct MoeBuffers {
 };
 
 void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H) {
-  const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), sms, "gate_up");
+  const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), slots, "gate_up");
   launch(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
          md, (const float*)b.xn, H, (const float*)b.router, b.ids, b.w, b.h, g.stages, md.gate_up_stage_bytes());
   const int tr = moe_down_tile_rows(H, sms);
-  const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), sms, "down");
+  const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), slots, "down");
   launch(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, (const float*)b.h, (const float*)b.sg,
          (const int32_t*)b.ids, (const float*)b.w, b.x, tr, d.stages, md.down_stage_bytes(tr));
 }
@@ -343,8 +343,8 @@ void stream_case(int rows, int cols) {
   make_weights(w, 1, rows, cols, 4, kBF16, kBF16, 64);
   GemvJobs jobs;
   jobs.W[0] = w.W, jobs.n = 1;
-  const uint32_t stage_bytes = plan_gemv(jobs, sms);
-  const DecodeGrid g = decode_grid(jobs.tile_first[1], stage_bytes, gemv_row_bytes(cols), sms, "stream");
+  const uint32_t stage_bytes = plan_gemv(jobs, slots);
+  const DecodeGrid g = decode_grid(jobs.tile_first[1], stage_bytes, gemv_row_bytes(cols), slots, "stream");
   float* sink = upload(std::vector<float>(1));
   const double us = graph_us([&] {
     for (int l = 0; l < 10; ++l)
@@ -439,34 +439,39 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CK(allow_decode_smem());
   CK(cudaFuncSetAttribute(stream_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem)));
-  if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
-    gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);
-    gemv_case({{248320, 4}}, 2048, true, false, false);
-    experts_case(2048, 512, 512, 256, 8, false);
-    return failures ? 1 : 0;
-  }
-  // the tiny models' shapes and every format: partial tiles, jobs of a few rows, 8-bit, dense
-  gemv_case({{96, 4}, {40, 4}, {8, 4}}, 64, true, false, false);
-  gemv_case({{200, 4}}, 128, false, true, false);
-  gemv_case({{33, 8}, {1, 8}}, 256, true, false, false);
-  gemv_case({{72, 0}}, 96, false, false, false);
-  gemv_case({{2112, 4}}, 128, true, false, false);
-  experts_case(64, 64, 128, 8, 2, false);
-  experts_case(256, 64, 64, 32, 8, false);
-  argmax_case(2112);
-  if (!small) {
-    // the model's: GDN in_proj (qkv, z, b, a), attention's (q with its gate, k, v), out / o projection,
-    // the router with the shared expert's gate (8-bit), the logits' projection (more tiles than stages)
-    gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, true);
-    gemv_case({{8192, 4}, {512, 4}, {512, 4}}, 2048, true, false, true);
-    gemv_case({{2048, 4}}, 4096, false, true, true);
-    gemv_case({{256, 8}, {1, 8}}, 2048, true, false, true);
-    gemv_case({{248320, 4}}, 2048, true, false, true);
-    experts_case(2048, 512, 512, 256, 8, true);
-    argmax_case(248320);
-    stream_case(248320, 2048);
-    stream_case(12352, 2048);
-    step_case();
+  // a pass for each decode_slots choice: two blocks an SM (the backend's default), then one
+  for (const int per_sm : {2, 1}) {
+    slots = decode_slots(sms, per_sm);
+    std::printf("-- decode blocks an SM: %d\n", per_sm);
+    if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
+      gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);
+      gemv_case({{248320, 4}}, 2048, true, false, false);
+      experts_case(2048, 512, 512, 256, 8, false);
+      continue;
+    }
+    // the tiny models' shapes and every format: partial tiles, jobs of a few rows, 8-bit, dense
+    gemv_case({{96, 4}, {40, 4}, {8, 4}}, 64, true, false, false);
+    gemv_case({{200, 4}}, 128, false, true, false);
+    gemv_case({{33, 8}, {1, 8}}, 256, true, false, false);
+    gemv_case({{72, 0}}, 96, false, false, false);
+    gemv_case({{2112, 4}}, 128, true, false, false);
+    experts_case(64, 64, 128, 8, 2, false);
+    experts_case(256, 64, 64, 32, 8, false);
+    argmax_case(2112);
+    if (!small) {
+      // the model's: GDN in_proj (qkv, z, b, a), attention's (q with its gate, k, v), out / o projection,
+      // the router with the shared expert's gate (8-bit), the logits' projection (more tiles than stages)
+      gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, true);
+      gemv_case({{8192, 4}, {512, 4}, {512, 4}}, 2048, true, false, true);
+      gemv_case({{2048, 4}}, 4096, false, true, true);
+      gemv_case({{256, 8}, {1, 8}}, 2048, true, false, true);
+      gemv_case({{248320, 4}}, 2048, true, false, true);
+      experts_case(2048, 512, 512, 256, 8, true);
+      argmax_case(248320);
+      stream_case(248320, 2048);
+      stream_case(12352, 2048);
+      step_case();
+    }
   }
   std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
   return failures ? 1 : 0;

@@ -105,7 +105,7 @@ static std::unique_ptr<Backend> make_backend(const std::string& name, const Mode
   if (name == "cuda") {
     if (const std::string why = cuda_unavailable(); !why.empty()) throw std::invalid_argument("[engine] backend 'cuda': " + why);
 #ifdef LILY_HAVE_CUDA
-    return cuda::make_cuda_backend(model, max_rows);
+    return cuda::make_cuda_backend(model, max_rows, options.pipeline);
 #endif
   }
   throw std::invalid_argument("[engine] unknown backend '" + name + "' (available: reference, metal-emu, metal, cuda)");

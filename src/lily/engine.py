@@ -267,7 +267,8 @@ class Engine:
         # default (bools): norm_project, route, attn_prepare, gdn_step, expert_swiglu, expert_combine, dequant.
         # metal_options (metal / metal-emu): MetalOptions in csrc/backends/metal/metal_backend.h: gqa_pack,
         # gpu_routing, pipeline (bools), attn_path (0 automatic, 1 general, 2 split-KV), moe_tile_rows (0 rule,
-        # 16, 32). docs/performance.md shows what each switch changes in the counters.
+        # 16, 32). docs/performance.md shows what each switch changes in the counters. cuda reads pipeline
+        # alone (two decode steps in flight; off: one at a time).
         self.metal_options = dict(metal_options or {})
         self.fusions = dict(fusions or {})
         self._core = _core.Engine(self._model, backend, prefill_chunk, threads, self.max_context, library, count_bytes,

@@ -2,21 +2,29 @@
 // of kernels.cuh, on one stream.
 //
 // Decode graphs: every kernel that depends on the position reads it from pos_dev_ (set before each step) and
-// the step's input token from tok_dev_, so one decode step's launches are the same every step. The first
-// decode step of a (state, KV capacity, fusions, selection kernel) is captured as a CUDA graph; later steps
-// replay it, the ops only checking that the schedule calls the same sequence. Token selection into the token slot is part of the
-// graph: the first maximum (argmax_kernel) for plain greedy, else sample.cuh (penalties, sampling), which reads
-// the generation's parameters, draw counter and penalty tables from device memory (select_begin uploads them,
-// the kernel advances the counter and the tables). Which of the two is the one thing about selection a graph
-// key must say; every sampled generation on a state replays one graph, and no token visits the host between
-// steps.
+// the step's input token from a token slot, so one decode step's launches are the same every step. The first
+// decode step of a (state, KV capacity, fusions, selection kernel, GDN copy, token slot) is captured as a CUDA
+// graph; later steps replay it, the ops only checking that the schedule calls the same sequence. Token
+// selection into the token slot is part of the graph: the first maximum (argmax_kernel) for plain greedy, else
+// sample.cuh (penalties, sampling), which reads the generation's parameters, draw counter and penalty tables
+// from device memory (select_begin uploads them, the kernel advances the counter and the tables). Which of the
+// two is the one thing about selection a graph key must say; every sampled generation on a state replays the
+// same graphs, and no token visits the host between steps.
+//
+// Two steps in flight (pipelines()): each submission reads the token slot and GDN state copy the one before
+// wrote and writes the other ones, with its logits in a row of their own; its token also lands in pinned host
+// memory, and an event says when. So the engine commits step n + 1 before it reads step n's token (read_token
+// waits for that event only), and rollback() undoes step n + 1 by flipping back: its KV row lies past the
+// position and is overwritten later. The parities make two graphs of a steady generation.
 #include "cuda_backend.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <stdexcept>
 #include <type_traits>
 #include <unordered_map>
@@ -56,8 +64,10 @@ int param_dtype(DType t, const std::string& name) {
 struct CudaState final : State {
   // Distinct for every state ever made: what a decode graph is keyed by (a freed state's address comes back).
   const uint64_t serial = next_serial();
-  std::vector<__nv_bfloat16*> k, v;  // attention layers: [n_kv, capacity, d]
-  std::vector<float*> conv, rec;     // GDN layers: [k_c - 1, C], [n_v, d_k, d_v]
+  std::vector<__nv_bfloat16*> k, v;     // attention layers: [n_kv, capacity, d]
+  std::vector<float*> conv[2], rec[2];  // GDN layers, two copies: [k_c - 1, C], [n_v, d_k, d_v]
+  int cur = 0;                          // the copy holding the state at pos; a submission writes the other
+  bool undoable = false;                // the last submission on it was a decode step (rollback)
   static uint64_t next_serial() {
     static uint64_t n = 0;
     return ++n;
@@ -65,14 +75,16 @@ struct CudaState final : State {
   ~CudaState() override {
     for (auto* vec : {&k, &v})
       for (auto* p : *vec) cudaFree(p);
-    for (auto* vec : {&conv, &rec})
-      for (auto* p : *vec) cudaFree(p);
+    for (int c = 0; c < 2; ++c)
+      for (auto* vec : {&conv[c], &rec[c]})
+        for (auto* p : *vec) cudaFree(p);
   }
 };
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const Model& m, int max_rows) : m_(m), c_(m.config()), rows_(max_rows) {
+  CudaBackend(const Model& m, int max_rows, bool pipeline)
+      : m_(m), c_(m.config()), rows_(max_rows), pipeline_(pipeline) {
     if (max_rows <= 0) throw std::invalid_argument("[cuda] max_rows must be positive");
     const std::string why = unavailable_reason();
     if (!why.empty()) throw std::runtime_error("[cuda] " + why);
@@ -81,10 +93,12 @@ class CudaBackend final : public Backend {
     int device = 0;
     CK(cudaGetDevice(&device));
     CK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
+    const char* per_sm = std::getenv("LILY_CUDA_DECODE_BLOCKS_PER_SM");
+    slots_ = decode_slots(sms_, per_sm && *per_sm ? std::atoi(per_sm) : kDecodeBlocksPerSm);
     upload_weights();
     for (int a = 0; a < int(Act::count); ++a) {
       width_[a] = act_width(c_, Act(a));
-      if (a != int(Act::logits)) act_[a] = device_alloc<float>(size_t(rows_) * width_[a]);
+      if (a != int(Act::logits)) act_[a] = device_alloc<float>(size_t(rows_) * width_[a]);  // logits_ instead
     }
     grow_logits(1);
     const int K = c_.top_k, E = c_.experts, TK = rows_ * K, H = c_.hidden, I = c_.moe_inter;
@@ -108,7 +122,9 @@ class CudaBackend final : public Backend {
     ybuf_ = device_alloc<float>(size_t(TK) * H);
     sy_ = device_alloc<float>(size_t(rows_) * H);
     tokens_ = device_alloc<int32_t>(rows_);
-    tok_dev_ = device_alloc<int32_t>(1);
+    tok_slots_ = device_alloc<int32_t>(2);
+    CK(cudaHostAlloc(reinterpret_cast<void**>(&host_tok_), 2 * sizeof(int32_t), cudaHostAllocDefault));
+    for (cudaEvent_t& e : done_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     argmax_slot_ = device_alloc<ArgmaxSlot>(1);
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
     CK(allow_decode_smem());
@@ -119,13 +135,16 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
-    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+    drop_graphs();
     cudaStreamSynchronize(stream_);
     cudaFree(arena_);
     for (float* p : act_) cudaFree(p);
+    for (float* p : logits_) cudaFree(p);
+    for (cudaEvent_t e : done_) cudaEventDestroy(e);
+    cudaFreeHost(host_tok_);
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
                                                 route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
-                                                ybuf_, sy_, tokens_, tok_dev_, pos_dev_, argmax_slot_, sample_args_dev_,
+                                                ybuf_, sy_, tokens_, tok_slots_, pos_dev_, argmax_slot_, sample_args_dev_,
                                                 seen_dev_, counts_dev_})
       cudaFree(p);
     cudaStreamDestroy(stream_);
@@ -140,14 +159,16 @@ class CudaBackend final : public Backend {
     auto s = std::make_unique<CudaState>();
     s->k.assign(c_.layers, nullptr);
     s->v.assign(c_.layers, nullptr);
-    s->conv.assign(c_.layers, nullptr);
-    s->rec.assign(c_.layers, nullptr);
-    for (int i = 0; i < c_.layers; ++i) {
-      if (c_.is_attention(i)) continue;
-      s->conv[i] = device_alloc<float>(conv_size());
-      s->rec[i] = device_alloc<float>(rec_size());
-      CK(cudaMemsetAsync(s->conv[i], 0, conv_size() * 4, stream_));
-      CK(cudaMemsetAsync(s->rec[i], 0, rec_size() * 4, stream_));
+    for (int c = 0; c < 2; ++c) {
+      s->conv[c].assign(c_.layers, nullptr);
+      s->rec[c].assign(c_.layers, nullptr);
+      for (int i = 0; i < c_.layers; ++i) {
+        if (c_.is_attention(i)) continue;
+        s->conv[c][i] = device_alloc<float>(conv_size());
+        s->rec[c][i] = device_alloc<float>(rec_size());
+        CK(cudaMemsetAsync(s->conv[c][i], 0, conv_size() * 4, stream_));
+        CK(cudaMemsetAsync(s->rec[c][i], 0, rec_size() * 4, stream_));
+      }
     }
     CK(cudaStreamSynchronize(stream_));
     return s;
@@ -183,8 +204,8 @@ class CudaBackend final : public Backend {
         for (auto [dst, src] : {std::pair{out->k[i], s.k[i]}, std::pair{out->v[i], s.v[i]}})
           CK(cudaMemcpyAsync(dst, src, size_t(c_.n_kv) * s.capacity * d * 2, cudaMemcpyDeviceToDevice, stream_));
       } else {
-        CK(cudaMemcpyAsync(out->conv[i], s.conv[i], conv_size() * 4, cudaMemcpyDeviceToDevice, stream_));
-        CK(cudaMemcpyAsync(out->rec[i], s.rec[i], rec_size() * 4, cudaMemcpyDeviceToDevice, stream_));
+        CK(cudaMemcpyAsync(out->conv[0][i], s.conv[s.cur][i], conv_size() * 4, cudaMemcpyDeviceToDevice, stream_));
+        CK(cudaMemcpyAsync(out->rec[0][i], s.rec[s.cur][i], rec_size() * 4, cudaMemcpyDeviceToDevice, stream_));
       }
     }
     CK(cudaStreamSynchronize(stream_));
@@ -213,8 +234,8 @@ class CudaBackend final : public Backend {
       } else {
         StateTensor cv{p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, std::vector<uint8_t>(conv_size() * 4)};
         StateTensor rc{p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, std::vector<uint8_t>(rec_size() * 4)};
-        CK(cudaMemcpy(cv.data.data(), s.conv[i], cv.data.size(), cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(rc.data.data(), s.rec[i], rc.data.size(), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(cv.data.data(), s.conv[s.cur][i], cv.data.size(), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(rc.data.data(), s.rec[s.cur][i], rc.data.size(), cudaMemcpyDeviceToHost));
         out.push_back(std::move(cv));
         out.push_back(std::move(rc));
       }
@@ -253,14 +274,29 @@ class CudaBackend final : public Backend {
       } else {
         const auto& cv = find(p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, 4);
         const auto& rc = find(p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, 4);
-        CK(cudaMemcpy(s.conv[i], cv.data.data(), cv.data.size(), cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(s.rec[i], rc.data.data(), rc.data.size(), cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(s.conv[s.cur][i], cv.data.data(), cv.data.size(), cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(s.rec[s.cur][i], rc.data.data(), rc.data.size(), cudaMemcpyHostToDevice));
       }
     }
     s.pos = pos;
+    s.undoable = false;
   }
 
   // ---------------------------------------------------------------- submission
+
+  bool pipelines() const override { return pipeline_; }
+  int gdn_state_copies() const override { return 2; }
+
+  // Undoes the last decode step on st, which may still be in flight (see the top of the file).
+  void rollback(State& st) override {
+    auto& s = static_cast<CudaState&>(st);
+    if (!s.undoable || s.pos < 1) throw std::logic_error("[cuda] rollback(): the state's last step was not a decode step");
+    s.cur ^= 1;
+    s.pos -= 1;
+    s.undoable = false;
+    in_ ^= 1;
+    if (!unread_.empty() && unread_.back().seq == committed_) unread_.pop_back();
+  }
 
   void begin(Phase phase, const Fusions& f) override {
     if (!s_) throw std::logic_error("[cuda] begin() with no bound state");
@@ -268,11 +304,15 @@ class CudaBackend final : public Backend {
     const int64_t pos = s_->pos;
     CK(cudaMemcpyAsync(pos_dev_, &pos, sizeof pos, cudaMemcpyHostToDevice, stream_));
     ops_ = 0;
+    out_ = in_ ^ 1;
+    selects_ = false;
     mode_ = Mode::direct;
     if (phase != Phase::decode) return;
-    const GraphKey key{s_->serial, s_->capacity, fusion_bits(f), sampled_};
-    mode_ = graph_exec_ && key == graph_key_ ? Mode::replay : Mode::capture_pending;
-    graph_key_ = key;
+    graph_key_ = GraphKey{s_->serial, s_->capacity, fusion_bits(f), sampled_, s_->cur, in_};
+    graph_ = nullptr;
+    for (auto& [key, exec] : graphs_)
+      if (key == graph_key_) graph_ = &exec;
+    mode_ = graph_ ? Mode::replay : Mode::capture_pending;
   }
 
   void commit() override {
@@ -285,24 +325,37 @@ class CudaBackend final : public Backend {
         launch_selection();
         cudaGraph_t graph = nullptr;
         CK(cudaStreamEndCapture(stream_, &graph));
-        if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
-        graph_exec_ = nullptr;
-        const cudaError_t e = cudaGraphInstantiate(&graph_exec_, graph, 0);
+        cudaGraphExec_t exec = nullptr;
+        const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
         cudaGraphDestroy(graph);
         check(e, "cudaGraphInstantiate (decode step)");
+        // graphs of another state, capacity, fusions or selection kernel are not replayed again
+        if (!graphs_.empty() && !graphs_[0].first.same_step(graph_key_)) drop_graphs();
+        graphs_.emplace_back(graph_key_, exec);
+        graph_ = &graphs_.back().second;
         graph_ops_ = ops_;
       } else if (ops_ != graph_ops_) {
         throw std::logic_error("[cuda] decode step called " + std::to_string(ops_) + " ops, its graph holds " +
                                std::to_string(graph_ops_));
       }
-      CK(cudaGraphLaunch(graph_exec_, stream_));
+      CK(cudaGraphLaunch(*graph_, stream_));
       mode_ = Mode::direct;
     }
     CK(cudaGetLastError());
+    ++committed_;
+    if (selects_) {
+      if (unread_.size() == kDone) throw std::logic_error("[cuda] more steps in flight than tokens read");
+      cudaEvent_t done = done_[committed_ % kDone];
+      CK(cudaEventRecord(done, stream_));
+      unread_.push_back({committed_, out_, done});
+    }
+    in_ = out_;
+    s_->cur ^= 1;
+    s_->undoable = phase_ == Phase::decode;
   }
 
   void read_logits(float* out, int rows) override {
-    CK(cudaMemcpyAsync(out, act(Act::logits), size_t(rows) * c_.vocab * 4, cudaMemcpyDeviceToHost, stream_));
+    CK(cudaMemcpyAsync(out, logits_[in_], size_t(rows) * c_.vocab * 4, cudaMemcpyDeviceToHost, stream_));
     CK(cudaStreamSynchronize(stream_));
   }
 
@@ -316,7 +369,7 @@ class CudaBackend final : public Backend {
                                 std::to_string(c_.vocab) + ")");
     if (phase_ == Phase::decode && mode_ != Mode::direct) {
       // the graph embeds from the token slot
-      CK(cudaMemcpyAsync(tok_dev_, tokens, 4, cudaMemcpyHostToDevice, stream_));
+      CK(cudaMemcpyAsync(tok_slots_ + in_, tokens, 4, cudaMemcpyHostToDevice, stream_));
       embed_selected();
       return;
     }
@@ -331,7 +384,7 @@ class CudaBackend final : public Backend {
       mode_ = Mode::capturing;
     }
     if (!op()) return;
-    launch_dependent(embed_kernel, 1, 64, 0, embed_, tok_dev_, act(Act::x), c_.hidden, c_.vocab);
+    launch_dependent(embed_kernel, 1, 64, 0, embed_, tok_slots_ + in_, act(Act::x), c_.hidden, c_.vocab);
   }
 
   void rmsnorm(Act in, Act out, const Vec& w, int T) override {
@@ -356,7 +409,7 @@ class CudaBackend final : public Backend {
   void norm_lm_head(int row) override {
     if (!op()) return;
     GemvJobs jobs;
-    add_job(jobs, m_.lm_head, act(Act::logits));
+    add_job(jobs, m_.lm_head, logits_[out_]);
     gemv(jobs, act(Act::x) + int64_t(row) * c_.hidden, vec(m_.norm), nullptr);
   }
 
@@ -366,7 +419,7 @@ class CudaBackend final : public Backend {
     grow_logits(rows);
     launch_dependent(rmsnorm_kernel, rows, 256, 0, act(Act::x) + int64_t(first) * c_.hidden, c_.hidden,
                      act(Act::xn), c_.hidden, vec(m_.norm), c_.hidden, c_.rms_eps);
-    matmul(m_.lm_head, act(Act::xn), c_.hidden, rows, act(Act::logits), c_.vocab, false);
+    matmul(m_.lm_head, act(Act::xn), c_.hidden, rows, logits_[out_], c_.vocab, false);
   }
 
   void attn_prepare(int layer, int T, int64_t pos) override {
@@ -420,16 +473,20 @@ class CudaBackend final : public Backend {
     const DeltaNetWeights& G = m_.layers[layer].gdn;
     const int C = c_.conv_dim(), nk = c_.lin_nk, nv = c_.lin_nv, dv = c_.lin_dv;
     const int64_t cells = int64_t(T) * C;
-    gdn_conv_rows_kernel<<<int((cells + 255) / 256), 256, 0, stream_>>>(act(Act::qkv), conv_out_, s_->conv[layer],
-                                                                       vec(G.conv), T, C, c_.conv_kernel);
-    gdn_conv_state_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), s_->conv[layer], T, C,
-                                                               c_.conv_kernel);
+    const int in = s_->cur, out = in ^ 1;
+    gdn_conv_rows_kernel<<<int((cells + 255) / 256), 256, 0, stream_>>>(act(Act::qkv), conv_out_,
+                                                                       s_->conv[in][layer], vec(G.conv), T, C,
+                                                                       c_.conv_kernel);
+    gdn_conv_state_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), s_->conv[in][layer],
+                                                               s_->conv[out][layer], T, C, c_.conv_kernel);
+    // the chunked scan updates the state in place: in the copy out
+    CK(cudaMemcpyAsync(s_->rec[out][layer], s_->rec[in][layer], rec_size() * 4, cudaMemcpyDeviceToDevice, stream_));
     const int warps = T * (2 * nk + 1);
     gdn_prepare_kernel<<<(warps + 3) / 4, 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha),
                                                             vec(G.A_log), vec(G.dt_bias), T, C, nk, nv, c_.lin_dk);
     auto scan = [&](auto dk) {
       launch_gdn_chunked<decltype(dk)::value>(conv_out_, act(Act::beta), act(Act::alpha), gdn_packs_,
-                                              s_->rec[layer], act(Act::mix), width(Act::mix), T, C, nk, nv, dv,
+                                              s_->rec[out][layer], act(Act::mix), width(Act::mix), T, C, nk, nv, dv,
                                               stream_);
     };
     switch (c_.lin_dk) {
@@ -441,22 +498,22 @@ class CudaBackend final : public Backend {
                                                      dv, c_.rms_eps);
   }
 
-  // One row with everything after the conv in one kernel per value head.
+  // One row: the conv and everything after it in one kernel per value head (gdn_step_kernel).
   void gdn_step(int layer) override {
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
-    const int C = c_.conv_dim();
-    launch_dependent(gdn_conv_kernel, (C + 127) / 128, 128, 0, act(Act::qkv), conv_out_, s_->conv[layer],
-                     vec(G.conv), 1, C, c_.conv_kernel);
+    const int in = s_->cur, out = in ^ 1;
     auto step = [&](auto kernel) {
-      launch_dependent(kernel, c_.lin_nv, 2 * c_.lin_dv, 0, conv_out_, act(Act::beta), act(Act::alpha),
-                       act(Act::z), s_->rec[layer], vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix),
-                       width(Act::mix), 1, C, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps);
+      launch_dependent(kernel, c_.lin_nv, 2 * c_.lin_dv, c_.lin_dv * sizeof(float), act(Act::qkv),
+                       s_->conv[in][layer], s_->conv[out][layer], vec(G.conv), act(Act::beta), act(Act::alpha),
+                       act(Act::z), s_->rec[in][layer], s_->rec[out][layer], vec(G.A_log), vec(G.dt_bias),
+                       vec(G.norm), act(Act::mix), c_.conv_dim(), c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv,
+                       c_.rms_eps);
     };
     switch (c_.lin_dk) {
-      case 32: step(gdn_scan_kernel<32>); break;
-      case 64: step(gdn_scan_kernel<64>); break;
-      default: step(gdn_scan_kernel<128>); break;
+      case 32: step(gdn_step_kernel<32>); break;
+      case 64: step(gdn_step_kernel<64>); break;
+      default: step(gdn_step_kernel<128>); break;
     }
   }
 
@@ -504,13 +561,13 @@ class CudaBackend final : public Backend {
     const int H = c_.hidden;
     const MoeDecode md{lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), lin(M.down),
                        lin(M.shared_down), c_.top_k, c_.experts, imax_};
-    const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), sms_,
+    const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), slots_,
                                      "the experts' gate/up");
     launch_dependent(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks,
                      kDecodeThreads, g.smem, md, act(Act::xn), H, router_, route_ids_, route_w_, hbuf_, g.stages,
                      md.gate_up_stage_bytes());
     const int tr = moe_down_tile_rows(H, sms_);
-    const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), sms_,
+    const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), slots_,
                                      "the experts' down");
     launch_dependent(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, hbuf_, shared_logit_, route_ids_, route_w_,
                      act(Act::x), tr, d.stages, md.down_stage_bytes(tr));
@@ -524,7 +581,7 @@ class CudaBackend final : public Backend {
   // The tables are read only under a penalty, so without one they are left as they are.
   void select_begin(const Sampler& sampler) override {
     selecting_ = true;
-    pending_ = false;
+    unread_.clear();
     sampled_ = !sampler.params().greedy() || sampler.params().penalised();
     if (!sampled_) return;
     const SampleArgs args = gpu::sample_args(sampler.params(), c_.vocab, sampler.draws());
@@ -541,33 +598,46 @@ class CudaBackend final : public Backend {
 
   void select_token() override {
     if (!selecting_) throw std::logic_error("[cuda] select_token() before select_begin()");
-    pending_ = true;
+    selects_ = true;
     if (phase_ == Phase::decode && mode_ != Mode::direct) return;  // in the graph (commit)
     launch_selection();
   }
 
+  // The oldest unread step's token from pinned host memory once its event has passed; the steps after it stay
+  // queued. Its logits row is its own (the next step writes the other), copied on the default stream, which
+  // does not wait for stream_.
   int32_t read_token(float* logits) override {
-    if (!pending_) throw std::logic_error("[cuda] read_token() with no step's token unread");
-    pending_ = false;
-    int32_t t = 0;
-    CK(cudaMemcpyAsync(&t, tok_dev_, 4, cudaMemcpyDeviceToHost, stream_));
-    if (logits) CK(cudaMemcpyAsync(logits, act(Act::logits), size_t(c_.vocab) * 4, cudaMemcpyDeviceToHost, stream_));
-    CK(cudaStreamSynchronize(stream_));
+    if (unread_.empty()) throw std::logic_error("[cuda] read_token() with no step's token unread");
+    const Unread u = unread_.front();
+    unread_.pop_front();
+    CK(cudaEventSynchronize(u.done));
+    const int32_t t = static_cast<volatile int32_t*>(host_tok_)[u.slot];
+    if (logits) CK(cudaMemcpy(logits, logits_[u.slot], size_t(c_.vocab) * 4, cudaMemcpyDeviceToHost));
     return t;
   }
 
  private:
   static constexpr int kDecodeSplits = 128;  // KV splits of a decode row (fixed: the graph's grid)
+  // decode_slots' blocks an SM; $LILY_CUDA_DECODE_BLOCKS_PER_SM overrides it (benchmarks compare the two)
+  static constexpr int kDecodeBlocksPerSm = 2;
   enum class Mode { direct, capture_pending, capturing, replay };
   struct GraphKey {
     uint64_t state = 0;  // CudaState::serial
     int64_t capacity = 0;
     uint32_t fusions = 0;
     bool sampled = false;  // sample_token_kernel selects, not argmax_kernel
-    bool operator==(const GraphKey& o) const {
+    int gdn = 0, slot = 0;  // the GDN state copy and token slot the step reads
+    bool same_step(const GraphKey& o) const {
       return state == o.state && capacity == o.capacity && fusions == o.fusions && sampled == o.sampled;
     }
+    bool operator==(const GraphKey& o) const { return same_step(o) && gdn == o.gdn && slot == o.slot; }
   };
+  struct Unread {
+    uint64_t seq;  // the submission's number (committed_)
+    int slot;      // its token slot and logits row
+    cudaEvent_t done;
+  };
+  static constexpr size_t kDone = 4;  // events of submissions whose token is unread (two in a generation)
   static uint32_t fusion_bits(const Fusions& f) {
     const bool bits[] = {f.norm_project, f.route, f.attn_prepare, f.gdn_step, f.expert_swiglu, f.expert_combine,
                          f.dequant};
@@ -576,14 +646,21 @@ class CudaBackend final : public Backend {
     return v;
   }
 
-  // The token of logits row 0 into the token slot.
+  // The token of logits row 0 into the submission's token slot, and from there into pinned host memory.
   void launch_selection() {
     if (sampled_)
-      launch_dependent(sample_token_kernel, 1, LILY_SAMPLE_THREADS, 0, sample_args_dev_, act(Act::logits), seen_dev_,
-                       counts_dev_, tok_dev_);
+      launch_dependent(sample_token_kernel, 1, LILY_SAMPLE_THREADS, 0, sample_args_dev_, logits_[out_], seen_dev_,
+                       counts_dev_, tok_slots_ + out_);
     else
-      launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, act(Act::logits), c_.vocab,
-                       argmax_slot_, tok_dev_);
+      launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, logits_[out_], c_.vocab,
+                       argmax_slot_, tok_slots_ + out_);
+    CK(cudaMemcpyAsync(host_tok_ + out_, tok_slots_ + out_, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  }
+
+  void drop_graphs() {
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+    graph_ = nullptr;
   }
 
   // Counts the op; false when a replayed graph already holds its launches.
@@ -605,6 +682,9 @@ class CudaBackend final : public Backend {
     need(c_.lin_dk == 32 || c_.lin_dk == 64 || c_.lin_dk == 128, "linear_key_head_dim " + std::to_string(c_.lin_dk));
     need(c_.lin_dv % 32 == 0 && c_.lin_dv <= 512, "linear_value_head_dim " + std::to_string(c_.lin_dv));
     need(c_.conv_kernel >= 1 && c_.conv_kernel <= 8, "linear_conv_kernel_dim " + std::to_string(c_.conv_kernel));
+    need(2 * c_.lin_dk + c_.lin_dv <= kGdnConvPerThread * 2 * c_.lin_dv,
+         "linear_key_head_dim " + std::to_string(c_.lin_dk) + " with linear_value_head_dim " +
+             std::to_string(c_.lin_dv) + " (a value head's block convolves 2·d_k + d_v channels on 2·d_v threads)");
     need(c_.top_k <= kMaxTopK && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
     need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));
   }
@@ -699,8 +779,8 @@ class CudaBackend final : public Backend {
   void gemv(GemvJobs& jobs, const float* x, const float* norm, float* xn_out) {
     const int cols = jobs.W[0].cols;
     if (norm && cols > kNormRowMax) throw std::logic_error("[cuda] a normed GEMV row of " + std::to_string(cols));
-    const uint32_t stage_bytes = plan_gemv(jobs, sms_);
-    const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), sms_,
+    const uint32_t stage_bytes = plan_gemv(jobs, slots_);
+    const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), slots_,
                                      "a GEMV of " + std::to_string(cols) + " columns");
     launch_dependent(by_cols(cols, [](auto U) { return gemv_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads,
                      g.smem, jobs, x, cols, norm, c_.rms_eps, xn_out, g.stages, stage_bytes);
@@ -738,12 +818,12 @@ class CudaBackend final : public Backend {
   void grow_logits(int rows) {
     if (rows <= logit_rows_) return;
     CK(cudaStreamSynchronize(stream_));
-    cudaFree(act_[int(Act::logits)]);
-    act_[int(Act::logits)] = device_alloc<float>(size_t(rows) * c_.vocab);
+    for (float*& l : logits_) {
+      cudaFree(l);
+      l = device_alloc<float>(size_t(rows) * c_.vocab);
+    }
     logit_rows_ = rows;
-    // the decode graph reads and selects from the logits row it was captured with
-    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
-    graph_exec_ = nullptr;
+    drop_graphs();  // the decode graphs read and select from the logits rows they were captured with
   }
 
   float* act(Act a) { return act_[int(a)]; }
@@ -773,28 +853,40 @@ class CudaBackend final : public Backend {
   LinDev embed_;
   int64_t width_[int(Act::count)] = {};
   float* act_[int(Act::count)] = {};
-  int logit_rows_ = 0, imax_ = 0, sms_ = 1;
+  int logit_rows_ = 0, imax_ = 0, sms_ = 1, slots_ = 1;  // slots_: decode_slots
   float *qbuf_ = nullptr, *conv_out_ = nullptr, *attn_part_ = nullptr, *router_ = nullptr, *shared_logit_ = nullptr;
   float* gdn_packs_ = nullptr;  // gdn_chunked.cuh's per-(chunk, value head) packs for max_rows rows
   int32_t* route_ids_ = nullptr;
   float* route_w_ = nullptr;
   int *counts_ = nullptr, *offsets_ = nullptr, *perm_ = nullptr, *inv_ = nullptr;
   float *g_ = nullptr, *u_ = nullptr, *hbuf_ = nullptr, *ybuf_ = nullptr, *sy_ = nullptr;
-  int32_t *tokens_ = nullptr, *tok_dev_ = nullptr;
+  int32_t* tokens_ = nullptr;
+  // Submissions: each reads token slot in_ and writes out_ (= in_ ^ 1) with its logits in logits_[out_]; a
+  // selecting one's token is copied to host_tok_[out_] and waits in unread_ for read_token.
+  int32_t* tok_slots_ = nullptr;  // [2]
+  int32_t* host_tok_ = nullptr;   // [2], pinned
+  float* logits_[2] = {};         // [logit_rows_, V] each
+  int in_ = 0, out_ = 1;
+  bool selects_ = false;
+  uint64_t committed_ = 0;
+  cudaEvent_t done_[kDone] = {};
+  std::deque<Unread> unread_;
   ArgmaxSlot* argmax_slot_ = nullptr;
   int64_t* pos_dev_ = nullptr;
   CudaState* s_ = nullptr;
   Phase phase_ = Phase::prefill;
   Mode mode_ = Mode::direct;
   int ops_ = 0, graph_ops_ = 0;
-  cudaGraphExec_t graph_exec_ = nullptr;
+  std::vector<std::pair<GraphKey, cudaGraphExec_t>> graphs_;  // of one (state, capacity, fusions, selection)
+  cudaGraphExec_t* graph_ = nullptr;                          // this step's, once captured
   GraphKey graph_key_;
+  const bool pipeline_;
   // Token selection: sampled_ (sample.cuh, not argmax) with the generation's SampleArgs (its counter advanced
   // by the kernel) and the penalty tables seen [V] and counts [V] (sampling.h).
   SampleArgs* sample_args_dev_ = nullptr;
   uint8_t* seen_dev_ = nullptr;
   int32_t* counts_dev_ = nullptr;
-  bool selecting_ = false, pending_ = false, sampled_ = false;
+  bool selecting_ = false, sampled_ = false;
 };
 
 }  // namespace
@@ -812,8 +904,8 @@ std::string unavailable_reason() {
   return "";
 }
 
-std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows) {
-  return std::make_unique<CudaBackend>(model, max_rows);
+std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows, bool pipeline) {
+  return std::make_unique<CudaBackend>(model, max_rows, pipeline);
 }
 
 void sample_rows(const float* logits, uint8_t* seen, int32_t* counts, uint64_t* counters, int rows, int vocab,

@@ -15,7 +15,8 @@ namespace lily::cuda {
 // Why the CUDA backend cannot run here (not built with CUDA, no device), or "" when it can.
 std::string unavailable_reason();
 
-std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows);
+// pipeline: two decode steps in flight (Backend::pipelines; false drives one step at a time, for comparisons).
+std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows, bool pipeline = true);
 
 // The device sampler (sample.cuh) alone, for tests (csrc/bindings/kernels_sample.cpp): for each row r of
 // logits f32 [rows, vocab], `steps` selections one after another, each reading the seen uint8 / counts int32

@@ -719,86 +719,97 @@ __global__ void attention_combine_kernel(const float* part, int splits, int d, c
 
 // ---------------------------------------------------------------- Gated DeltaNet
 
-// Decode's causal depthwise conv + SiLU over [state rows ‖ chunk rows] per channel (one thread each, the rows
-// in sequence), then the state keeps the last k_c - 1 inputs.
-__global__ void gdn_conv_kernel(const float* qkv, float* conv_out, float* conv_state, const float* taps, int T, int C,
-                                int Kc) {
-  start_next_kernel();
-  const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-  float u[8];  // the window: k_c - 1 state inputs, then the current one (k_c <= 8, checked at construction)
-  if (ch < C)
-    for (int j = 0; j < Kc - 1; ++j) u[j] = conv_state[int64_t(j) * C + ch];  // only this kernel writes it
-  wait_previous_kernel();
-  if (ch >= C) return;
-  for (int t = 0; t < T; ++t) {
-    u[Kc - 1] = qkv[int64_t(t) * C + ch];
-    float acc = 0.f;
-    for (int j = 0; j < Kc; ++j) acc = fmaf(taps[ch * Kc + j], u[j], acc);
-    conv_out[int64_t(t) * C + ch] = siluf_(acc);
-    for (int j = 0; j < Kc - 1; ++j) u[j] = u[j + 1];
-  }
-  for (int j = 0; j < Kc - 1; ++j) conv_state[int64_t(j) * C + ch] = u[j];
-}
-
-// Decode's step (Fusions::gdn_step): the delta-rule recurrence of one value head for T rows with the q/k
-// l2-norm, the gates and the gated RMSNorm inside: one block per value head, two threads per column j of the state S [d_k, d_v], each holding half the column in registers
-// (2·d_v threads; the pair are neighbouring lanes and add their partial dot products with one shuffle).
+// Decode's step (Fusions::gdn_step) of one value head h: the causal conv + SiLU of the channels it reads (its
+// key head's q and k, its own v), the q/k l2-norm, the gates, the delta-rule update and the gated RMSNorm, in
+// one block of 2·d_v threads; two threads per column j of the state S [d_k, d_v], each holding half the column
+// in registers (neighbouring lanes, their partial dot products added with one shuffle). The states are read
+// from one copy and written to the other (conv_in/rec_in → conv_out/rec_out: the backend keeps two, so a step
+// run ahead can be undone), which is also what lets the value heads sharing a key head each convolve its q/k
+// channels from the old conv state while one of them writes the new one.
+constexpr int kGdnConvPerThread = 4;  // conv channels a thread takes: 2·d_k + d_v ≤ 4 · 2·d_v (check_geometry)
 template <int DK>
-__global__ void gdn_scan_kernel(const float* conv, const float* beta_in, const float* alpha_in, const float* z,
-                                float* rec, const float* A_log, const float* dt_bias, const float* gnorm, float* mix,
-                                int ldmix, int T, int C, int nk, int nv, int dv, float eps) {
+__global__ void gdn_step_kernel(const float* qkv, const float* conv_in, float* conv_out, const float* taps,
+                                const float* beta_in, const float* alpha_in, const float* z, const float* rec_in,
+                                float* rec_out, const float* A_log, const float* dt_bias, const float* gnorm,
+                                float* mix, int C, int Kc, int nk, int nv, int dv, float eps) {
   constexpr int HALF = DK / 2;
+  extern __shared__ float vs[];  // [d_v] this head's v after the conv
   __shared__ float qs[DK], ks[DK], scratch[32];
-  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int j = threadIdx.x >> 1, i0 = (threadIdx.x & 1) * HALF;
-  const int kh = h / (nv / nk), Kd = nk * DK;
-  float* S = rec + int64_t(h) * DK * dv;
-  float col[HALF];
+  const int per_key = nv / nk, kh = h / per_key, Kd = nk * DK, n_ch = 2 * DK + dv;
+  // channel slot c of this block: q of the key head, then its k, then this head's v
+  auto channel = [&](int c) { return c < DK ? kh * DK + c : c < 2 * DK ? Kd + kh * DK + c - DK : 2 * Kd + h * dv + c - 2 * DK; };
   start_next_kernel();
+  // what no kernel of the step writes, before the wait: the state (its copy in is only read), taps, gate params
+  float col[HALF];
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) col[i] = S[(i0 + i) * dv + j];  // the state: only this kernel writes it
+  for (int i = 0; i < HALF; ++i) col[i] = rec_in[int64_t(h) * DK * dv + (i0 + i) * dv + j];
+  float win[kGdnConvPerThread][7];  // per channel: the k_c - 1 state inputs (k_c <= 8; constant indices only)
+#pragma unroll
+  for (int n = 0; n < kGdnConvPerThread; ++n) {
+    const int c = threadIdx.x + n * blockDim.x;
+#pragma unroll
+    for (int t = 0; t < 7; ++t)
+      if (c < n_ch && t < Kc - 1) win[n][t] = conv_in[int64_t(t) * C + channel(c)];
+  }
   const float A = expf(A_log[h]), dtb = dt_bias[h], w = gnorm[j];
   wait_previous_kernel();
-  const float qscale = rsqrtf(float(DK));
-  for (int t = 0; t < T; ++t) {
-    const float* row = conv + int64_t(t) * C;
-    // l2-normalised q (· d_k^-1/2) and k of the key head, one warp each
-    for (int which = warp; which < 2; which += warps) {
-      const float* src = row + which * Kd + kh * DK;
-      float* dst = which ? ks : qs;
-      float ss = 0.f;
-      for (int i = lane; i < DK; i += 32) ss += src[i] * src[i];
-      const float inv = rsqrtf(warp_sum(ss) + 1e-6f) * (which ? 1.f : qscale);
-      for (int i = lane; i < DK; i += 32) dst[i] = src[i] * inv;
-    }
-    __syncthreads();
-    const float beta = sigmoidf_(beta_in[int64_t(t) * nv + h]);
-    const float alpha = expf(-A * softplusf_(alpha_in[int64_t(t) * nv + h] + dtb));
-    float mk = 0.f;
+  // the conv; q/k channels' new state written by the key head's first value head only
 #pragma unroll
-    for (int i = 0; i < HALF; ++i) {
-      col[i] *= alpha;
-      mk = fmaf(col[i], ks[i0 + i], mk);
-    }
-    mk += __shfl_xor_sync(0xffffffffu, mk, 1);
-    const float delta = beta * (row[2 * Kd + h * dv + j] - mk);
-    float o = 0.f;
+  for (int n = 0; n < kGdnConvPerThread; ++n) {
+    const int c = threadIdx.x + n * blockDim.x;
+    if (c >= n_ch) continue;
+    const int ch = channel(c);
+    const float x = qkv[ch];
+    float acc = taps[ch * Kc + Kc - 1] * x;
+    const bool writes = c >= 2 * DK || h % per_key == 0;
 #pragma unroll
-    for (int i = 0; i < HALF; ++i) {
-      col[i] = fmaf(ks[i0 + i], delta, col[i]);
-      o = fmaf(col[i], qs[i0 + i], o);
+    for (int t = 0; t < 7; ++t) {
+      if (t >= Kc - 1) break;
+      acc = fmaf(taps[ch * Kc + t], win[n][t], acc);
+      if (writes) conv_out[int64_t(t) * C + ch] = t + 1 < Kc - 1 ? win[n][t < 6 ? t + 1 : 6] : x;  // the window moved on
     }
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
-    const float inv = rsqrtf(block_sum(i0 ? 0.f : o * o, scratch) / float(dv) + eps);
-    if (!i0) mix[int64_t(t) * ldmix + h * dv + j] = o * inv * w * siluf_(z[int64_t(t) * nv * dv + h * dv + j]);
-    __syncthreads();  // qs/ks are rewritten next row
+    const float y = siluf_(acc);
+    if (c < DK) qs[c] = y;
+    else if (c < 2 * DK) ks[c - DK] = y;
+    else vs[c - 2 * DK] = y;
   }
+  __syncthreads();
+  // l2-normalised q (· d_k^-1/2) and k, one warp each
+  if (warp < 2) {
+    float* v = warp ? ks : qs;
+    float ss = 0.f;
+    for (int i = lane; i < DK; i += 32) ss += v[i] * v[i];
+    const float inv = rsqrtf(warp_sum(ss) + 1e-6f) * (warp ? 1.f : rsqrtf(float(DK)));
+    for (int i = lane; i < DK; i += 32) v[i] *= inv;
+  }
+  __syncthreads();
+  const float beta = sigmoidf_(beta_in[h]);
+  const float alpha = expf(-A * softplusf_(alpha_in[h] + dtb));
+  float mk = 0.f;
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) S[(i0 + i) * dv + j] = col[i];
+  for (int i = 0; i < HALF; ++i) {
+    col[i] *= alpha;
+    mk = fmaf(col[i], ks[i0 + i], mk);
+  }
+  mk += __shfl_xor_sync(0xffffffffu, mk, 1);
+  const float delta = beta * (vs[j] - mk);
+  float o = 0.f;
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    col[i] = fmaf(ks[i0 + i], delta, col[i]);
+    o = fmaf(col[i], qs[i0 + i], o);
+  }
+  o += __shfl_xor_sync(0xffffffffu, o, 1);
+  const float inv = rsqrtf(block_sum(i0 ? 0.f : o * o, scratch) / float(dv) + eps);
+  if (!i0) mix[h * dv + j] = o * inv * w * siluf_(z[h * dv + j]);
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) rec_out[int64_t(h) * DK * dv + (i0 + i) * dv + j] = col[i];
 }
 
 // Prefill's causal conv + SiLU, one thread per (row, channel): row t reads inputs t - k_c + 1 … t, those before
-// the chunk from the state (left as it was: gdn_conv_state_kernel moves it on afterwards).
+// the chunk from the state (gdn_conv_state_kernel writes the next one into the other copy).
 __global__ void gdn_conv_rows_kernel(const float* qkv, float* conv_out, const float* conv_state, const float* taps,
                                      int T, int C, int Kc) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -813,16 +824,17 @@ __global__ void gdn_conv_rows_kernel(const float* qkv, float* conv_out, const fl
   conv_out[idx] = siluf_(acc);
 }
 
-// The conv state after a chunk of T rows: its last k_c - 1 inputs (state rows first when T < k_c - 1).
-__global__ void gdn_conv_state_kernel(const float* qkv, float* conv_state, int T, int C, int Kc) {
+// The conv state after a chunk of T rows: its last k_c - 1 inputs (state rows first when T < k_c - 1), from the
+// state copy in to the copy out.
+__global__ void gdn_conv_state_kernel(const float* qkv, const float* conv_in, float* conv_out, int T, int C, int Kc) {
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= C) return;
   float u[8];
   for (int j = 0; j < Kc - 1; ++j) {
     const int src = T - (Kc - 1) + j;
-    u[j] = src >= 0 ? qkv[int64_t(src) * C + ch] : conv_state[int64_t(Kc - 1 + src) * C + ch];
+    u[j] = src >= 0 ? qkv[int64_t(src) * C + ch] : conv_in[int64_t(Kc - 1 + src) * C + ch];
   }
-  for (int j = 0; j < Kc - 1; ++j) conv_state[int64_t(j) * C + ch] = u[j];
+  for (int j = 0; j < Kc - 1; ++j) conv_out[int64_t(j) * C + ch] = u[j];
 }
 
 // Per (row, key head): q and k l2-normalised in place (q · d_k^-1/2); per (row, value head): the gates,
@@ -1113,29 +1125,38 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) moe_down_kernel(MoeDecode m
 // ---------------------------------------------------------------- the decode kernels' launch geometry (host)
 
 // A decode kernel's grid over `tiles` tiles of stage_bytes each, with `extra` bytes of shared memory beside
-// them: a block a tile up to two blocks an SM (16 warps to hide the dot products' latency), and as many
-// stages as a block has tiles, up to the budget (which fits two blocks an SM).
+// them: a block a tile up to `slots` blocks (decode_slots), and as many stages as a block has tiles, up to the
+// budget (which fits two blocks an SM).
 struct DecodeGrid {
   int blocks, stages;
   size_t smem;
 };
-inline DecodeGrid decode_grid(int tiles, uint32_t stage_bytes, uint32_t extra, int sms, const std::string& what) {
+inline DecodeGrid decode_grid(int tiles, uint32_t stage_bytes, uint32_t extra, int slots, const std::string& what) {
   const int fit = extra < kDecodeSmem ? std::min<int>((kDecodeSmem - extra) / stage_bytes, kMaxStages) : 0;
   if (fit < 1)
     throw std::invalid_argument("[cuda] " + what + ": a tile of " + std::to_string(stage_bytes) + " bytes and " +
                                 std::to_string(extra) + " more exceed a decode block's shared memory (" +
                                 std::to_string(kDecodeSmem) + ")");
-  const int blocks = std::min(tiles, 2 * sms);
+  const int blocks = std::min(tiles, slots);
   const int stages = std::min((tiles + blocks - 1) / blocks, fit);
   return {blocks, stages, size_t(stages) * stage_bytes + extra};
 }
 
+// The blocks a decode kernel spreads its tiles over: per_sm an SM. Two give each SM 16 warps to hide the dot
+// products' latency but fill its register file, so the next kernel's blocks cannot start (and issue their
+// weight copies) until these exit; one leaves room for them.
+inline int decode_slots(int sms, int per_sm) {
+  if (per_sm != 1 && per_sm != 2)
+    throw std::invalid_argument("[cuda] decode blocks per SM: " + std::to_string(per_sm) + " (1 or 2)");
+  return per_sm * sms;
+}
+
 inline uint32_t gemv_row_bytes(int cols) { return padded_floats(cols) * sizeof(float); }
 
-// The jobs' tiles: 16 rows where two stages fit a block's shared memory and the tiles still fill two blocks an
-// SM, else 8 (the 4,096-column projections: 128 tiles of 16 rows left one block an SM computing 16 rows of
+// The jobs' tiles: 16 rows where two stages fit a block's shared memory and the tiles still fill the decode
+// slots, else 8 (the 4,096-column projections: 128 tiles of 16 rows left one block an SM computing 16 rows of
 // 4,096 columns); returns a stage's bytes.
-inline uint32_t plan_gemv(GemvJobs& jobs, int sms) {
+inline uint32_t plan_gemv(GemvJobs& jobs, int slots) {
   auto stage_for = [&](int tr) {
     uint32_t b = 0;
     for (int j = 0; j < jobs.n; ++j) b = std::max(b, tile_bytes(jobs.W[j], tr));
@@ -1143,7 +1164,7 @@ inline uint32_t plan_gemv(GemvJobs& jobs, int sms) {
   };
   int tiles16 = 0;
   for (int j = 0; j < jobs.n; ++j) tiles16 += (jobs.W[j].rows + 15) / 16;
-  jobs.tile_rows = 2 * stage_for(16) + gemv_row_bytes(jobs.W[0].cols) <= kDecodeSmem && tiles16 >= 2 * sms ? 16 : 8;
+  jobs.tile_rows = 2 * stage_for(16) + gemv_row_bytes(jobs.W[0].cols) <= kDecodeSmem && tiles16 >= slots ? 16 : 8;
   for (int j = 0; j < jobs.n; ++j)
     jobs.tile_first[j + 1] = jobs.tile_first[j] + (jobs.W[j].rows + jobs.tile_rows - 1) / jobs.tile_rows;
   return stage_for(jobs.tile_rows);
