@@ -21,9 +21,8 @@ _why = lily.backend_unavailable("cuda")
 needs_device = pytest.mark.skipif(_why is not None, reason=f"backend 'cuda': {_why}")
 
 from test_metal_model import CASES, DECODE, PREFILL, engine, ids, run, stats  # noqa: E402,F401  (ids: fixture)
-from test_pipeline import next_logits  # noqa: E402
+from test_pipeline import check_run_ahead_undone, next_logits  # noqa: E402
 from test_pipeline import params as pipe_params  # noqa: E402
-from test_pipeline import run as pipe_run  # noqa: E402
 from test_sample import CASES as SAMPLE_CASES  # noqa: E402
 from test_sample import (QWEN_VOCAB, VOCABS, check_draws_at_counters, compare_with_host, params,  # noqa: E402
                          random_history, random_rows, tie_rows)
@@ -91,6 +90,18 @@ def test_greedy_matches_reference(ids):
     assert e.generate(prompt, max_tokens=24, temperature=0).token_ids == want
     one = engine(tm.PEAKED, "mlx_q4_bf16", "reference").generate(prompt[:1], max_tokens=8, temperature=0).token_ids
     assert e.generate(prompt[:1], max_tokens=8, temperature=0).token_ids == one
+
+
+@needs_device
+@pytest.mark.parametrize("off", ["norm_project", "route", "attn_prepare", "gdn_step", "expert_swiglu",
+                                 "expert_combine", "dequant"])
+def test_each_fusion_off_decodes_the_same(off, ids):
+    """A decode fusion switched off runs the plain ops in the decode graph (for gdn_step: the prefill scan of one
+    row, which also moves the GDN state to the other copy): greedy tokens equal the reference's."""
+    prompt, _ = ids
+    want = engine(tm.PEAKED, "mlx_q4_bf16", "reference").generate(prompt, max_tokens=12, temperature=0).token_ids
+    e = lily.Engine.from_pretrained(tm.get_model(tm.PEAKED, "mlx_q4_bf16"), backend="cuda", fusions={off: False})
+    assert e.generate(prompt, max_tokens=12, temperature=0).token_ids == want
 
 
 @needs_device
@@ -178,8 +189,14 @@ def test_generations_on_one_session_share_graphs(ids):
 
 # ---------------------------------------------------------------- two decode steps in flight
 
+_PIPELINED: dict = {}
+
+
 def pipelined(on):
-    return engine(tm.PEAKED, "mlx_q4_bf16", "cuda", metal_options={"pipeline": on})
+    if on not in _PIPELINED:
+        _PIPELINED[on] = lily.Engine.from_pretrained(tm.get_model(tm.PEAKED, "mlx_q4_bf16"), backend="cuda",
+                                                     metal_options={"pipeline": on})
+    return _PIPELINED[on]
 
 
 @needs_device
@@ -209,29 +226,12 @@ def test_pipelined_equals_one_step_at_a_time(opts, ids):
 
 @needs_device
 @pytest.mark.parametrize("how", ["stop_id", "close"])
-def test_the_step_run_ahead_is_undone(how, ids):
+def test_the_step_run_ahead_is_undone(how):
     """A stop id at token 4, or close() after it: the step the pipelined run committed ahead is rolled back
-    (position, GDN copy, token slot), leaving the session as the one-step-at-a-time run leaves it; a later
+    (position, GDN state copy, token slot), leaving the session as the one-step-at-a-time run leaves it; a later
     generation on it continues identically."""
-    prompt, _ = ids
-    prompt = np.asarray(prompt, np.int32)
-    on, off = pipelined(True), pipelined(False)
-    ref, _, _ = pipe_run(off, prompt, 12)
-    stop = ref[4]
-    assert stop not in ref[:4], "pick a prompt whose greedy run does not repeat the token"
-    kw = dict(stop_ids=[stop]) if how == "stop_id" else dict(stop_after=5)
-    a, sa, ga = pipe_run(on, prompt, 12, **kw)
-    b, sb, gb = pipe_run(off, prompt, 12, **kw)
-    assert a == b == ref[:5]
-    assert ga.finish_reason == gb.finish_reason == ("stop" if how == "stop_id" else "cancelled")
-    assert sa.tokens == sb.tokens == list(prompt) + ref[:4]
-    assert sa.position == sb.position == len(prompt) + 4
-    follow = 7 if ref[4] != 7 else 8
-    np.testing.assert_array_equal(next_logits(on, sa, follow), next_logits(off, sb, follow))
-    more = np.asarray([follow], np.int32)
-    ca = on._core.generation(sa, more, 4, [], pipe_params())
-    cb = off._core.generation(sb, more, 4, [], pipe_params())
-    assert [ca.next().token for _ in range(4)] == [cb.next().token for _ in range(4)]
+    prompt = np.asarray(tm.default_prompt_ids()[:24], np.int32)  # test_pipeline.py's: no repeat before token 5
+    check_run_ahead_undone(pipelined(True), pipelined(False), prompt, how)
 
 
 # ---------------------------------------------------------------- the device sampler alone (sample.cuh)

@@ -100,7 +100,11 @@ def test_counters_show_the_gpu_never_drains(prompt):
 def test_the_step_run_ahead_is_undone(prompt, how):
     """A stop id at token 4, or close() after it: the pipelined run committed the step feeding token 4 and must
     undo it — session tokens, position and the logits of the next token equal those of the unpipelined run."""
-    on, off = engine(True), engine(False)
+    check_run_ahead_undone(engine(True), engine(False), prompt, how)
+
+
+def check_run_ahead_undone(on, off, prompt, how):
+    """The pipelined engine `on` against the one-step-at-a-time `off` (also tests/test_cuda.py's)."""
     ref, _, _ = run(off, prompt, 12)
     stop = ref[4]
     assert stop not in ref[:4], "pick a prompt whose greedy run does not repeat the token"

@@ -345,7 +345,7 @@ class CudaBackend final : public Backend {
     ++committed_;
     if (selects_) {
       if (unread_.size() == kDone) throw std::logic_error("[cuda] more steps in flight than tokens read");
-      cudaEvent_t done = done_[committed_ % kDone];
+      cudaEvent_t done = done_[selected_++ % kDone];  // not one an unread token still waits on
       CK(cudaEventRecord(done, stream_));
       unread_.push_back({committed_, out_, done});
     }
@@ -868,7 +868,7 @@ class CudaBackend final : public Backend {
   float* logits_[2] = {};         // [logit_rows_, V] each
   int in_ = 0, out_ = 1;
   bool selects_ = false;
-  uint64_t committed_ = 0;
+  uint64_t committed_ = 0, selected_ = 0;  // submissions, and those of them that selected a token
   cudaEvent_t done_[kDone] = {};
   std::deque<Unread> unread_;
   ArgmaxSlot* argmax_slot_ = nullptr;
