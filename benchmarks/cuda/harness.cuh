@@ -33,6 +33,9 @@ T* upload(const std::vector<T>& h) {
   // + 256: the decode kernels' bulk copies round a tile's parts up to 16 bytes (the backend pads its arena)
   CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T) + 256));
   CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  // From pageable memory cudaMemcpy may return before its last DMA lands, and the kernels run on a stream that
+  // does not wait for the default one: a 1 MB row launched on at once was read half-written.
+  CK(cudaDeviceSynchronize());
   return d;
 }
 template <class T>
