@@ -199,14 +199,18 @@ struct MoeBuffers {
   int32_t* ids;
 };
 
-void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H) {
+// The experts' two kernels as the backend launches them (gate_up / down false: that one left out, for timing).
+void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H, bool gate_up = true, bool down = true) {
   const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), slots, "gate_up");
-  launch(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
-         md, (const float*)b.xn, H, (const float*)b.router, b.ids, b.w, b.h, g.stages, md.gate_up_stage_bytes());
+  if (gate_up)
+    launch(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads,
+           g.smem, md, (const float*)b.xn, H, (const float*)b.router, b.ids, b.w, b.h, g.stages,
+           md.gate_up_stage_bytes());
   const int tr = moe_down_tile_rows(H, sms);
   const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), slots, "down");
-  launch(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, (const float*)b.h, (const float*)b.sg,
-         (const int32_t*)b.ids, (const float*)b.w, b.x, tr, d.stages, md.down_stage_bytes(tr));
+  if (down)
+    launch(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, (const float*)b.h, (const float*)b.sg,
+           (const int32_t*)b.ids, (const float*)b.w, b.x, tr, d.stages, md.down_stage_bytes(tr));
 }
 
 float silu(float v) { return v / (1.f + std::exp(-v)); }
@@ -272,16 +276,20 @@ void experts_case(int H, int I, int Is, int E, int K, bool time) {
     // 40 layers' routes over the one set of experts: their weights mostly come from DRAM (8 of 256 a layer)
     std::vector<float*> routers;
     for (int l = 0; l < 40; ++l) routers.push_back(upload(random_floats(E, -4.f, 4.f)));
-    const double us = graph_us([&] {
-      for (int l = 0; l < 40; ++l) {
-        MoeBuffers bl = b;
-        bl.router = routers[l];
-        launch_experts(md, bl, H);
-      }
-    }, 40);
-    const uint64_t bytes = K * (weight_bytes(ex.gate.W) + weight_bytes(ex.up.W) + weight_bytes(ex.down.W)) +
-                           weight_bytes(ex.sgate.W) + weight_bytes(ex.sup.W) + weight_bytes(ex.sdown.W);
-    print_time("time", shape + " gate_up+down", us, bytes);
+    const uint64_t gate_up_bytes = K * (weight_bytes(ex.gate.W) + weight_bytes(ex.up.W)) + weight_bytes(ex.sgate.W) +
+                                   weight_bytes(ex.sup.W);
+    const uint64_t down_bytes = K * weight_bytes(ex.down.W) + weight_bytes(ex.sdown.W);
+    for (const int part : {3, 1, 2}) {  // both kernels, gate_up alone (the route, h), down alone (the last route's)
+      const double us = graph_us([&] {
+        for (int l = 0; l < 40; ++l) {
+          MoeBuffers bl = b;
+          bl.router = routers[l];
+          launch_experts(md, bl, H, part & 1, part & 2);
+        }
+      }, 40);
+      print_time("time", shape + (part == 3 ? " gate_up+down" : part == 1 ? " gate_up" : " down"), us,
+                 (part & 1 ? gate_up_bytes : 0) + (part & 2 ? down_bytes : 0));
+    }
     for (float* p : routers) cudaFree(p);
   }
   for (void* p : std::initializer_list<void*>{b.xn, b.router, b.h, b.w, b.sg, b.x, b.ids}) cudaFree(p);

@@ -875,25 +875,40 @@ __global__ void gdn_gated_norm_kernel(float* mix, int ldmix, const float* z, con
 // ---------------------------------------------------------------- MoE
 
 // Router top-k of E logits (ties to the lower id, as the reference) and the softmax weights renormalised over
-// the K taken (the full softmax's denominator cancels), by the whole block at once: thread t ranks logit t by
-// counting the logits above it, and the K of rank < K write themselves into place — one pass over the logits
-// in shared memory instead of K dependent rounds of a warp argmax. `l` holds E floats of shared memory; the
-// route lands in ids[K] / weights[K] (shared or global), visible to the block on return.
+// the K taken (the full softmax's denominator cancels). The logits are staged in shared memory by the block; one
+// warp then takes the K in K rounds, each the warp's largest key below the last one taken (argmax_key: the
+// value's bits made to order, then the complement of the id, so keys are distinct and ties go to the lower id).
+// Ranking every logit against every other with the whole block cost 256 comparisons a thread: ~2 µs of issue
+// slots on the experts' critical path, where these rounds are a few hundred cycles of one warp. `l` holds E
+// floats of shared memory; the route lands in ids[K] / weights[K] (shared or global), visible to the block on
+// return.
+// A logit and its id as one key whose unsigned order is the logits' order, ties to the lower id.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+  const uint32_t b = __float_as_uint(v), ordered = (b & 0x80000000u) ? ~b : b | 0x80000000u;
+  return (uint64_t(ordered) << 32) | uint32_t(~uint32_t(i));
+}
 __device__ __forceinline__ void block_topk(const float* logits, float* l, int E, int K, int* ids, float* weights) {
-  __shared__ float top[kMaxTopK];
   for (int e = threadIdx.x; e < E; e += blockDim.x) l[e] = logits[e];
-  if (threadIdx.x < K) ids[threadIdx.x] = threadIdx.x, top[threadIdx.x] = l[threadIdx.x];  // NaN logits: a valid id
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const float v = l[e];
-    int rank = 0;
-    for (int o = 0; o < E; ++o) rank += l[o] > v || (l[o] == v && o < e);
-    if (rank < K) ids[rank] = e, top[rank] = v;
-  }
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    const float w = lane < K ? expf(top[lane] - top[0]) : 0.f, sum = warp_sum(w);
+    unsigned long long below = ~0ull;
+    float top0 = 0.f, w = 0.f;
+    for (int k = 0; k < K; ++k) {
+      unsigned long long best = 0;
+      for (int e = lane; e < E; e += 32) {
+        const unsigned long long key = argmax_key(l[e], e);
+        if (key < below && key > best) best = key;
+      }
+#pragma unroll
+      for (int o = 16; o; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+      below = best;
+      const int id = int(~uint32_t(best));
+      const float v = l[id];
+      if (k == 0) top0 = v;
+      if (lane == k) ids[k] = id, w = expf(v - top0);
+    }
+    const float sum = warp_sum(lane < K ? w : 0.f);
     if (lane < K) weights[lane] = w / sum;
   }
   __syncthreads();
@@ -1196,10 +1211,6 @@ struct ArgmaxSlot {
   unsigned long long key;
   unsigned int done;
 };
-__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
-  const uint32_t b = __float_as_uint(v), ordered = (b & 0x80000000u) ? ~b : b | 0x80000000u;
-  return (uint64_t(ordered) << 32) | uint32_t(~uint32_t(i));
-}
 __global__ void argmax_kernel(const float* logits, int V, ArgmaxSlot* slot, int32_t* token) {
   __shared__ unsigned long long best_of[32];
   start_next_kernel();
