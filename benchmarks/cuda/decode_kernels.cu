@@ -1,6 +1,7 @@
 // Correctness and speed of the CUDA backend's decode kernels (kernels.cuh: gemv_kernel, moe_gate_up_kernel,
-// moe_down_kernel, argmax_kernel) on fresh random data, each against a naive fp32 reference kernel in this file,
-// with the launch geometry the backend uses (plan_gemv, decode_grid, moe_down_tile_rows); exits 1 on a failure.
+// moe_down_kernel, argmax_kernel, attention_decode_kernel and the three attention kernels it fuses) on fresh random
+// data, each against a naive fp32 reference (a kernel, or host code for attention) in this file, with the launch
+// geometry the backend uses (plan_gemv, decode_grid, moe_down_tile_rows, kAttnBlocks); exits 1 on a failure.
 //
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
 //        -o build/decode_kernels && build/decode_kernels
@@ -10,6 +11,8 @@
 // CUDA graph with programmatic dependent launch, as the decode step runs, each on its own copy of the weights
 // (so they come from DRAM, not L2), the median of 10 replays; then a step's worth of the model's projections
 // and experts (40 layers, distinct weights, and the logits' projection and argmax) the same way.
+#include <memory>
+
 #include "harness.cuh"
 
 using namespace lily::cuda;
@@ -17,7 +20,7 @@ using namespace lily::cuda::harness;
 
 namespace {
 
-int sms = 0, slots = 0;  // slots: decode_slots, for the blocks an SM this pass runs
+int sms = 0, slots = 0;  // slots: decode_slots
 cudaStream_t stream;
 
 template <class... P, class... A>
@@ -295,6 +298,223 @@ void experts_case(int H, int I, int Is, int E, int K, bool time) {
   for (void* p : std::initializer_list<void*>{b.xn, b.router, b.h, b.w, b.sg, b.x, b.ids}) cudaFree(p);
 }
 
+// ---------------------------------------------------------------- attention
+
+// Decode's attention for one row: the fused attention_decode_kernel and the three kernels it replaces
+// (attn_prepare_kernel, attention_kernel, attention_combine_kernel), at the backend's launch geometry.
+struct AttnShape {
+  int n_q, n_kv, d, rot;
+  std::string name(int64_t pos) const {
+    return "q" + std::to_string(n_q) + " kv" + std::to_string(n_kv) + " d" + std::to_string(d) + " rot" +
+           std::to_string(rot) + " pos " + std::to_string(pos);
+  }
+};
+constexpr float kRopeTheta = 1e7f, kRmsEps = 1e-6f;
+constexpr uint16_t kBf16Nan = 0x7fc0;
+
+float bf16_value(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A decode row at pos: its q_gate, k and v, the norms' weights, and the caches [n_kv, cap, d] (bf16 bits) with
+// random rows before pos and NaN from pos on (a key read before it is written, or past pos, poisons the output).
+struct AttnData {
+  AttnShape s;
+  int64_t pos, cap;
+  std::vector<float> q_gate, k, v, q_norm, k_norm;
+  std::vector<uint16_t> K, V;
+};
+AttnData make_attn_data(const AttnShape& s, int64_t pos) {
+  AttnData a{s, pos, pos + 9};
+  a.q_gate = random_floats(size_t(2) * s.n_q * s.d, -2.f, 2.f);
+  a.k = random_floats(size_t(s.n_kv) * s.d, -2.f, 2.f);
+  a.v = random_floats(size_t(s.n_kv) * s.d, -1.f, 1.f);
+  a.q_norm = random_floats(s.d, 0.5f, 1.5f);
+  a.k_norm = random_floats(s.d, 0.5f, 1.5f);
+  std::uniform_real_distribution<float> key(-2.f, 2.f), value(-1.f, 1.f);
+  a.K.assign(size_t(s.n_kv) * a.cap * s.d, kBf16Nan);
+  a.V = a.K;
+  for (int h = 0; h < s.n_kv; ++h)
+    for (int64_t r = 0; r < pos; ++r)
+      for (int j = 0; j < s.d; ++j) {
+        const size_t at = (size_t(h) * a.cap + r) * s.d + j;
+        a.K[at] = to_bf16_bits(key(rng)), a.V[at] = to_bf16_bits(value(rng));
+      }
+  return a;
+}
+
+// The naive reference: q and k normed and rotated (the angle in fp32, as the kernels compute it), the new row
+// rounded to bf16 as the cache holds it, softmax over rows 0..pos in double, times σ(gate).
+struct AttnRef {
+  std::vector<float> mix, krow, vrow;  // mix [n_q·d]; the cache's row pos [n_kv·d] as bf16 values
+};
+std::vector<float> ref_norm_rope(const float* x, const std::vector<float>& w, int64_t p, int rot) {
+  std::vector<float> y = rmsnorm(std::vector<float>(x, x + w.size()), w, kRmsEps);
+  const int half = rot / 2;
+  for (int f = 0; f < half; ++f) {
+    const float ang = float(p) * (1.f / powf(kRopeTheta, float(2 * f) / float(rot)));
+    const double c = std::cos(double(ang)), s = std::sin(double(ang)), a = y[f], b = y[f + half];
+    y[f] = float(a * c - b * s), y[f + half] = float(b * c + a * s);
+  }
+  return y;
+}
+AttnRef ref_attention(const AttnData& a) {
+  const AttnShape& s = a.s;
+  const int d = s.d, G = s.n_q / s.n_kv;
+  AttnRef r;
+  r.mix.resize(size_t(s.n_q) * d), r.krow.resize(size_t(s.n_kv) * d), r.vrow.resize(size_t(s.n_kv) * d);
+  for (int h = 0; h < s.n_kv; ++h) {
+    const std::vector<float> kn = ref_norm_rope(&a.k[size_t(h) * d], a.k_norm, a.pos, s.rot);
+    for (int j = 0; j < d; ++j)
+      r.krow[h * d + j] = bf16_value(to_bf16_bits(kn[j])), r.vrow[h * d + j] = bf16_value(to_bf16_bits(a.v[h * d + j]));
+  }
+  for (int h = 0; h < s.n_q; ++h) {
+    const int kvh = h / G;
+    const std::vector<float> q = ref_norm_rope(&a.q_gate[size_t(2 * h) * d], a.q_norm, a.pos, s.rot);
+    auto key = [&](int64_t row, int j) {
+      return row == a.pos ? r.krow[kvh * d + j] : bf16_value(a.K[(size_t(kvh) * a.cap + row) * d + j]);
+    };
+    auto value = [&](int64_t row, int j) {
+      return row == a.pos ? r.vrow[kvh * d + j] : bf16_value(a.V[(size_t(kvh) * a.cap + row) * d + j]);
+    };
+    std::vector<double> score(a.pos + 1), o(d, 0.0);
+    double mx = -INFINITY, sum = 0;
+    for (int64_t row = 0; row <= a.pos; ++row) {
+      double dot = 0;
+      for (int j = 0; j < d; ++j) dot += double(q[j]) * key(row, j);
+      score[row] = dot / std::sqrt(double(d)), mx = std::max(mx, score[row]);
+    }
+    for (int64_t row = 0; row <= a.pos; ++row) {
+      const double p = std::exp(score[row] - mx);
+      sum += p;
+      for (int j = 0; j < d; ++j) o[j] += p * value(row, j);
+    }
+    for (int j = 0; j < d; ++j)
+      r.mix[size_t(h) * d + j] = float(o[j] / sum / (1.0 + std::exp(-double(a.q_gate[size_t(2 * h + 1) * d + j]))));
+  }
+  return r;
+}
+
+// The device side of an AttnData (each its own caches; qbuf, part, the counters and mix as the backend has them).
+struct AttnDev {
+  float *q_gate, *k, *v, *q_norm, *k_norm, *qbuf, *part, *mix;
+  __nv_bfloat16 *K, *V;
+  int64_t* pos;
+  unsigned* arrivals;
+  explicit AttnDev(const AttnData& a) {
+    const AttnShape& s = a.s;
+    q_gate = upload(a.q_gate), k = upload(a.k), v = upload(a.v), q_norm = upload(a.q_norm), k_norm = upload(a.k_norm);
+    K = reinterpret_cast<__nv_bfloat16*>(upload(a.K)), V = reinterpret_cast<__nv_bfloat16*>(upload(a.V));
+    pos = upload(std::vector<int64_t>{a.pos});
+    CK(cudaMalloc(&qbuf, size_t(s.n_q) * s.d * 4));
+    CK(cudaMalloc(&part, size_t(s.n_q) * kDecodeSplits * (s.d + 2) * 4));
+    CK(cudaMalloc(&mix, size_t(s.n_q) * s.d * 4));
+    CK(cudaMalloc(&arrivals, s.n_kv * sizeof(unsigned)));
+    CK(cudaMemset(arrivals, 0, s.n_kv * sizeof(unsigned)));
+  }
+  ~AttnDev() {
+    for (void* p : std::initializer_list<void*>{q_gate, k, v, q_norm, k_norm, qbuf, part, mix, K, V, pos, arrivals})
+      cudaFree(p);
+  }
+};
+
+// CudaBackend::attn_prepare_decode's launch, and attn_prepare's (one row) + attn_decode's.
+void launch_attn_fused(const AttnShape& s, int64_t cap, const AttnDev& b) {
+  by_head_dim(s.d, [&](auto D) {
+    launch(attention_decode_kernel<D()>, dim3(kAttnBlocks, s.n_kv), kAttnWarps * 32, 0, b.q_gate, b.k, b.v, b.q_norm,
+           b.k_norm, b.K, b.V, cap, b.pos, s.n_q, s.n_kv, s.rot, kRopeTheta, kRmsEps, b.part, b.arrivals, b.mix);
+  });
+}
+void launch_attn_three(const AttnShape& s, int64_t cap, const AttnDev& b) {
+  launch(attn_prepare_kernel, dim3(1, (s.n_q + s.n_kv + kPrepareWarps - 1) / kPrepareWarps), kPrepareWarps * 32,
+         kPrepareWarps * s.d * 4, b.q_gate, b.k, b.v, b.q_norm, b.k_norm, b.qbuf, b.K, b.V, cap, b.pos, s.n_q, s.n_kv,
+         s.d, s.rot, kRopeTheta, kRmsEps);
+  by_head_dim(s.d, [&](auto D) {
+    launch(attention_kernel<D()>, (s.n_kv * kDecodeSplits + 3) / 4, 128, 0, b.qbuf, b.K, b.V, cap, s.n_q, s.n_kv,
+           b.pos, b.part);
+  });
+  launch(attention_combine_kernel, s.n_q, 4 * s.d, (kDecodeSplits + 1 + 4 * s.d) * sizeof(float), b.part, s.d,
+         b.q_gate, b.mix);
+}
+
+// mix (poisoned with NaN first: every element must be written) against the reference; the cache's row pos
+// against the reference's, the other rows untouched. The fused kernel twice: the second launch (mix poisoned
+// again) must find its arrival counters back at 0 and give the same mix, bit for bit.
+void attention_case(const AttnShape& s, int64_t pos, bool fused) {
+  const AttnData a = make_attn_data(s, pos);
+  const AttnRef r = ref_attention(a);
+  const std::string shape = s.name(pos) + (fused ? " fused" : " 3 kernels");
+  const AttnDev b(a);
+  const size_t n_mix = size_t(s.n_q) * s.d;
+  auto run = [&] {
+    CK(cudaMemsetAsync(b.mix, 0xff, n_mix * 4, stream));
+    if (fused) launch_attn_fused(s, a.cap, b);
+    else launch_attn_three(s, a.cap, b);
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaGetLastError());
+    return download(b.mix, n_mix);
+  };
+  const std::vector<float> mix = run();
+  check("attn", shape, mix, r.mix, 2e-3);
+  const std::vector<uint16_t> K = download(reinterpret_cast<const uint16_t*>(b.K), a.K.size());
+  const std::vector<uint16_t> V = download(reinterpret_cast<const uint16_t*>(b.V), a.V.size());
+  std::vector<float> row;
+  bool others_kept = true;
+  for (const auto* kv : {&K, &V})
+    for (int h = 0; h < s.n_kv; ++h)
+      for (int64_t t = 0; t < a.cap; ++t)
+        for (int j = 0; j < s.d; ++j) {
+          const size_t at = (size_t(h) * a.cap + t) * s.d + j;
+          if (t == pos) row.push_back(bf16_value((*kv)[at]));
+          else others_kept = others_kept && (*kv)[at] == (kv == &K ? a.K : a.V)[at];
+        }
+  std::vector<float> want = r.krow;
+  want.insert(want.end(), r.vrow.begin(), r.vrow.end());
+  check("kv row", shape, row, want, 1e-2);  // 1e-2: the rounding of an element may flip (the angle's powf)
+  if (!others_kept) ++failures;
+  std::printf("%-8s %-50s %s\n", "kv rest", shape.c_str(), others_kept ? "ok" : "FAIL");
+  if (!fused) return;
+  const std::vector<float> again = run();
+  const std::vector<unsigned> arrivals = download(b.arrivals, s.n_kv);
+  const bool same = std::memcmp(again.data(), mix.data(), n_mix * 4) == 0;
+  const bool zero = std::all_of(arrivals.begin(), arrivals.end(), [](unsigned c) { return c == 0; });
+  if (!same || !zero) ++failures;
+  std::printf("%-8s %-50s %s\n", "again", (shape + ": same mix, counters 0").c_str(), same && zero ? "ok" : "FAIL");
+}
+
+// Both paths in graphs at pos over `layers` layers' caches (the model's 10 attention layers: 80 MB at 4K,
+// mostly from DRAM like the step's), per layer; the counters checked at 0 after the replays.
+void attention_time(const AttnShape& s, int64_t pos, int layers) {
+  const AttnData a = make_attn_data(s, pos);
+  std::vector<std::unique_ptr<AttnDev>> b;
+  for (int l = 0; l < layers; ++l) b.push_back(std::make_unique<AttnDev>(a));
+  const uint64_t bytes = uint64_t(s.n_kv) * (pos + 1) * s.d * 2 * 2;
+  const double fused = graph_us([&] {
+    for (auto& bl : b) launch_attn_fused(s, a.cap, *bl);
+  }, layers);
+  const double three = graph_us([&] {
+    for (auto& bl : b) launch_attn_three(s, a.cap, *bl);
+  }, layers);
+  print_time("time", s.name(pos) + " fused", fused, bytes);
+  print_time("time", s.name(pos) + " 3 kernels", three, bytes);
+  bool zero = true;
+  for (auto& bl : b)
+    for (unsigned c : download(bl->arrivals, s.n_kv)) zero = zero && c == 0;
+  if (!zero) ++failures;
+  std::printf("%-8s %-50s %s\n", "again", (s.name(pos) + " fused: counters 0 after replays").c_str(),
+              zero ? "ok" : "FAIL");
+}
+
+void attention_cases(const AttnShape& s, std::initializer_list<int64_t> positions) {
+  for (int64_t pos : positions) {
+    attention_case(s, pos, true);
+    attention_case(s, pos, false);
+  }
+}
+
 // ---------------------------------------------------------------- argmax
 
 void argmax_case(int V) {
@@ -443,43 +663,49 @@ int main(int argc, char** argv) {
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
   sms = p.multiProcessorCount;
-  std::printf("%s, %d SMs\n", p.name, sms);
+  // the backend's decode_slots: two blocks an SM unless $LILY_CUDA_DECODE_BLOCKS_PER_SM says one, as there
+  const char* per_sm = std::getenv("LILY_CUDA_DECODE_BLOCKS_PER_SM");
+  slots = decode_slots(sms, per_sm && *per_sm ? std::atoi(per_sm) : 2);
+  std::printf("%s, %d SMs, decode blocks %d\n", p.name, sms, slots);
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CK(allow_decode_smem());
   CK(cudaFuncSetAttribute(stream_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem)));
-  // a pass for each decode_slots choice: two blocks an SM (the backend's default), then one
-  for (const int per_sm : {2, 1}) {
-    slots = decode_slots(sms, per_sm);
-    std::printf("-- decode blocks an SM: %d\n", per_sm);
-    if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
-      gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);
-      gemv_case({{248320, 4}}, 2048, true, false, false);
-      experts_case(2048, 512, 512, 256, 8, false);
-      continue;
-    }
-    // the tiny models' shapes and every format: partial tiles, jobs of a few rows, 8-bit, dense
-    gemv_case({{96, 4}, {40, 4}, {8, 4}}, 64, true, false, false);
-    gemv_case({{200, 4}}, 128, false, true, false);
-    gemv_case({{33, 8}, {1, 8}}, 256, true, false, false);
-    gemv_case({{72, 0}}, 96, false, false, false);
-    gemv_case({{2112, 4}}, 128, true, false, false);
-    experts_case(64, 64, 128, 8, 2, false);
-    experts_case(256, 64, 64, 32, 8, false);
-    argmax_case(2112);
-    if (!small) {
-      // the model's: GDN in_proj (qkv, z, b, a), attention's (q with its gate, k, v), out / o projection,
-      // the router with the shared expert's gate (8-bit), the logits' projection (more tiles than stages)
-      gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, true);
-      gemv_case({{8192, 4}, {512, 4}, {512, 4}}, 2048, true, false, true);
-      gemv_case({{2048, 4}}, 4096, false, true, true);
-      gemv_case({{256, 8}, {1, 8}}, 2048, true, false, true);
-      gemv_case({{248320, 4}}, 2048, true, false, true);
-      experts_case(2048, 512, 512, 256, 8, true);
-      argmax_case(248320);
-      stream_case(248320, 2048);
-      stream_case(12352, 2048);
-      step_case();
-    }
+  if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
+    gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);
+    gemv_case({{248320, 4}}, 2048, true, false, false);
+    experts_case(2048, 512, 512, 256, 8, false);
+    return failures ? 1 : 0;
+  }
+  // the tiny models' shapes and every format: partial tiles, jobs of a few rows, 8-bit, dense
+  gemv_case({{96, 4}, {40, 4}, {8, 4}}, 64, true, false, false);
+  gemv_case({{200, 4}}, 128, false, true, false);
+  gemv_case({{33, 8}, {1, 8}}, 256, true, false, false);
+  gemv_case({{72, 0}}, 96, false, false, false);
+  gemv_case({{2112, 4}}, 128, true, false, false);
+  experts_case(64, 64, 128, 8, 2, false);
+  experts_case(256, 64, 64, 32, 8, false);
+  argmax_case(2112);
+  // attention: G = 2 with rot/2 < 32 lanes; G = 8 at d 32 (a lane a dimension); positions in the first block,
+  // across blocks, and one whose split's block has empty blocks after it
+  attention_cases({4, 2, 64, 16}, {0, 5, 77, 300});
+  attention_cases({8, 1, 32, 8}, {0, 130, 301});
+  if (!small) {
+    // the model's (G = 8, d 256): pos 1003 is the 4th key of a split of 8, 4001 the 2nd of a split of 32 with
+    // the last two splits empty, 4095 the last key of the last split
+    attention_cases({16, 2, 256, 64}, {0, 5, 200, 1003, 4001, 4095});
+    attention_time({16, 2, 256, 64}, 4095, 10);
+    // the model's: GDN in_proj (qkv, z, b, a), attention's (q with its gate, k, v), out / o projection,
+    // the router with the shared expert's gate (8-bit), the logits' projection (more tiles than stages)
+    gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, true);
+    gemv_case({{8192, 4}, {512, 4}, {512, 4}}, 2048, true, false, true);
+    gemv_case({{2048, 4}}, 4096, false, true, true);
+    gemv_case({{256, 8}, {1, 8}}, 2048, true, false, true);
+    gemv_case({{248320, 4}}, 2048, true, false, true);
+    experts_case(2048, 512, 512, 256, 8, true);
+    argmax_case(248320);
+    stream_case(248320, 2048);
+    stream_case(12352, 2048);
+    step_case();
   }
   std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
   return failures ? 1 : 0;

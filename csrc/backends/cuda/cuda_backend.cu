@@ -127,6 +127,8 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t& e : done_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     argmax_slot_ = device_alloc<ArgmaxSlot>(1);
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
+    attn_arrivals_ = device_alloc<unsigned>(c_.n_kv);
+    CK(cudaMemset(attn_arrivals_, 0, c_.n_kv * sizeof(unsigned)));
     CK(allow_decode_smem());
     pos_dev_ = device_alloc<int64_t>(1);
     sample_args_dev_ = device_alloc<SampleArgs>(1);
@@ -145,7 +147,7 @@ class CudaBackend final : public Backend {
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
                                                 route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
                                                 ybuf_, sy_, tokens_, tok_slots_, pos_dev_, argmax_slot_, sample_args_dev_,
-                                                seen_dev_, counts_dev_})
+                                                seen_dev_, counts_dev_, attn_arrivals_})
       cudaFree(p);
     cudaStreamDestroy(stream_);
   }
@@ -427,15 +429,16 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const AttentionWeights& A = m_.layers[layer].attn;
     const int d = c_.head_dim;
-    launch_dependent(attn_prepare_kernel, dim3(T, c_.n_q + c_.n_kv), d, d * 4,
-        act(Act::q_gate), act(Act::k), act(Act::v), vec(A.q_norm), vec(A.k_norm), qbuf_, s_->k[layer], s_->v[layer],
-        s_->capacity, pos_dev_, c_.n_q, c_.n_kv, d, c_.rotary_dim, c_.rope_theta, c_.rms_eps);
+    launch_dependent(attn_prepare_kernel, dim3(T, (c_.n_q + c_.n_kv + kPrepareWarps - 1) / kPrepareWarps),
+        kPrepareWarps * 32, kPrepareWarps * d * 4, act(Act::q_gate), act(Act::k), act(Act::v), vec(A.q_norm),
+        vec(A.k_norm), qbuf_, s_->k[layer], s_->v[layer], s_->capacity, pos_dev_, c_.n_q, c_.n_kv, d, c_.rotary_dim,
+        c_.rope_theta, c_.rms_eps);
   }
 
   void attn_prefill(int layer, int T, int64_t pos) override {
     check_pos(pos);
     if (!op()) return;
-    by_head_dim([&](auto D) {
+    by_head_dim(c_.head_dim, [&](auto D) {
       launch_flash_attention<D()>(qbuf_, s_->k[layer], s_->v[layer], s_->capacity, act(Act::q_gate), act(Act::mix),
                                   width(Act::mix), T, c_.n_q, c_.n_kv, pos_dev_, stream_);
     });
@@ -445,24 +448,26 @@ class CudaBackend final : public Backend {
   void attn_decode(int layer, int64_t pos) override {
     check_pos(pos);
     if (!op()) return;
-    by_head_dim([&](auto D) {
+    by_head_dim(c_.head_dim, [&](auto D) {
       launch_dependent(attention_kernel<D()>, (c_.n_kv * kDecodeSplits + 3) / 4, 128, 0, qbuf_, s_->k[layer],
-                       s_->v[layer], s_->capacity, c_.n_q, c_.n_kv, kDecodeSplits, pos_dev_, attn_part_);
+                       s_->v[layer], s_->capacity, c_.n_q, c_.n_kv, pos_dev_, attn_part_);
     });
     launch_dependent(attention_combine_kernel, c_.n_q, 4 * c_.head_dim,
-                     (kDecodeSplits + 4 * c_.head_dim) * sizeof(float), attn_part_, kDecodeSplits, c_.head_dim,
-                     act(Act::q_gate), act(Act::mix), c_.n_q);
+                     (kDecodeSplits + 1 + 4 * c_.head_dim) * sizeof(float), attn_part_, c_.head_dim,
+                     act(Act::q_gate), act(Act::mix));
   }
 
-  // f(std::integral_constant<int, head_dim>) for the head dims check_geometry allows.
-  template <class F>
-  void by_head_dim(F&& f) const {
-    switch (c_.head_dim) {
-      case 32: f(std::integral_constant<int, 32>{}); break;
-      case 64: f(std::integral_constant<int, 64>{}); break;
-      case 128: f(std::integral_constant<int, 128>{}); break;
-      default: f(std::integral_constant<int, 256>{}); break;
-    }
+  // The same in one kernel (attention_decode_kernel): no qbuf, and no kernel boundaries between the three steps.
+  void attn_prepare_decode(int layer, int64_t pos) override {
+    check_pos(pos);
+    if (!op()) return;
+    const AttentionWeights& A = m_.layers[layer].attn;
+    by_head_dim(c_.head_dim, [&](auto D) {
+      launch_dependent(attention_decode_kernel<D()>, dim3(kAttnBlocks, c_.n_kv), kAttnWarps * 32, 0,
+                       act(Act::q_gate), act(Act::k), act(Act::v), vec(A.q_norm), vec(A.k_norm), s_->k[layer],
+                       s_->v[layer], s_->capacity, pos_dev_, c_.n_q, c_.n_kv, c_.rotary_dim, c_.rope_theta, c_.rms_eps,
+                       attn_part_, attn_arrivals_, act(Act::mix));
+    });
   }
 
   // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence in chunks of
@@ -617,7 +622,6 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  static constexpr int kDecodeSplits = 128;  // KV splits of a decode row (fixed: the graph's grid)
   // decode_slots' blocks an SM; $LILY_CUDA_DECODE_BLOCKS_PER_SM overrides it (benchmarks compare the two)
   static constexpr int kDecodeBlocksPerSm = 2;
   enum class Mode { direct, capture_pending, capturing, replay };
@@ -872,6 +876,7 @@ class CudaBackend final : public Backend {
   cudaEvent_t done_[kDone] = {};
   std::deque<Unread> unread_;
   ArgmaxSlot* argmax_slot_ = nullptr;
+  unsigned* attn_arrivals_ = nullptr;  // attention_decode_kernel's blocks done a KV head (0 between launches)
   int64_t* pos_dev_ = nullptr;
   CudaState* s_ = nullptr;
   Phase phase_ = Phase::prefill;

@@ -576,73 +576,90 @@ __global__ void rmsnorm_kernel(const float* in, int ldi, float* out, int ldo, co
 
 // ---------------------------------------------------------------- attention
 
+// RoPE(RMSNorm(x)·w) of one head row at position p into out[d] (global or shared memory), by one warp. The
+// rotation pairs dimensions f and f + rot/2, and one lane holds both, so it runs in place.
+__device__ __forceinline__ void norm_rope_row(const float* x, const float* w, float* out, int d, int64_t p, int rot,
+                                              float theta, float eps) {
+  const int lane = threadIdx.x & 31;
+  float ss = 0.f;
+  for (int j = lane; j < d; j += 32) ss = fmaf(x[j], x[j], ss);
+  const float inv = rsqrtf(warp_sum(ss) / float(d) + eps);
+  for (int j = lane; j < d; j += 32) out[j] = x[j] * inv * w[j];
+  __syncwarp();
+  const int half = rot / 2;
+  for (int f = lane; f < half; f += 32) {
+    const float freq = 1.f / powf(theta, float(2 * f) / float(rot));
+    const float ang = float(p) * freq, c = cosf(ang), s = sinf(ang);
+    const float a = out[f], b = out[f + half];
+    out[f] = a * c - b * s, out[f + half] = b * c + a * s;
+  }
+  __syncwarp();
+}
+
+// A KV cache row (element offset `at`) ← k (as norm_rope_row left it) and v, both rounded to bf16, by one warp.
+__device__ __forceinline__ void store_kv_row(const float* k, const float* v, __nv_bfloat16* Kc, __nv_bfloat16* Vc,
+                                             int64_t at, int d) {
+  for (int j = threadIdx.x & 31; j < d; j += 32)
+    Kc[at + j] = __float2bfloat16(k[j]), Vc[at + j] = __float2bfloat16(v[j]);
+}
+
+constexpr int kPrepareWarps = 4;  // head rows a block of attn_prepare_kernel
+
 // q ← RoPE(RMSNorm(q)·q_norm) into qbuf [T, n_q, d] (fp32); k likewise and v as is into the bf16 cache rows
-// pos + t. One block per (row, head), d threads.
+// pos + t. A warp per (row, head): grid (T, ⌈(n_q + n_kv) / kPrepareWarps⌉), d floats of shared memory a warp.
 __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const float* v, const float* q_norm,
                                     const float* k_norm, float* qbuf, __nv_bfloat16* Kc, __nv_bfloat16* Vc,
                                     int64_t cap, const int64_t* pos_dev, int n_q, int n_kv, int d, int rot,
                                     float theta, float eps) {
-  __shared__ float scratch[32];
+  extern __shared__ float krows[];
   start_next_kernel();
   wait_previous_kernel();
-  extern __shared__ float row[];
-  const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, h = blockIdx.y * kPrepareWarps + warp;
+  if (h >= n_q + n_kv) return;
   const int64_t p = *pos_dev + t;
-  const bool is_q = h < n_q;
-  const int kvh = h - n_q;
-  const float* src = is_q ? q_gate + (int64_t(t) * 2 * n_q + 2 * h) * d : k + (int64_t(t) * n_kv + kvh) * d;
-  const float x = src[j];
-  const float inv = rsqrtf(block_sum(x * x, scratch) / float(d) + eps);
-  row[j] = x * inv * (is_q ? q_norm : k_norm)[j];
-  __syncthreads();
-  float y = row[j];
-  const int half = rot / 2;
-  if (j < rot) {
-    const int f = j < half ? j : j - half;
-    const float freq = 1.f / powf(theta, float(2 * f) / float(rot));
-    const float ang = float(p) * freq, c = cosf(ang), s = sinf(ang);
-    y = j < half ? row[j] * c - row[j + half] * s : row[j] * c + row[j - half] * s;
-  }
-  if (is_q) {
-    qbuf[(int64_t(t) * n_q + h) * d + j] = y;
+  if (h < n_q) {
+    norm_rope_row(q_gate + (int64_t(t) * 2 * n_q + 2 * h) * d, q_norm, qbuf + (int64_t(t) * n_q + h) * d, d, p, rot,
+                  theta, eps);
   } else {
-    const int64_t at = (int64_t(kvh) * cap + p) * d + j;
-    Kc[at] = __float2bfloat16(y);
-    Vc[at] = __float2bfloat16(v[(int64_t(t) * n_kv + kvh) * d + j]);
+    const int kvh = h - n_q;
+    float* row = krows + warp * d;
+    norm_rope_row(k + (int64_t(t) * n_kv + kvh) * d, k_norm, row, d, p, rot, theta, eps);
+    store_kv_row(row, v + (int64_t(t) * n_kv + kvh) * d, Kc, Vc, (int64_t(kvh) * cap + p) * d, d);
   }
 }
 
-constexpr int kMaxGroup = 8;  // query heads per KV head a warp serves (16 / 2 in the real model)
+constexpr int kMaxGroup = 8;        // query heads per KV head a warp serves (16 / 2 in the real model)
+constexpr int kDecodeSplits = 128;  // KV splits of a decode row per KV head (fixed: the step graph's grid)
+constexpr int kAttnWarps = 8;       // splits (warps) a block of attention_decode_kernel
+constexpr int kAttnBlocks = kDecodeSplits / kAttnWarps;  // its blocks a KV head: the partials a query head leaves
 
-// Decode's split-KV attention for the row at pos, one warp per (KV head, split of the keys): the group's G query
-// heads against keys [split·len, (split + 1)·len) of the causal range [0, pos]; each lane owns D/32 dimensions.
-// The partial results (max, sum, unnormalised o) go to part, merged by attention_combine_kernel. (Prefill's
-// attention is flash_attention.cuh.)
+// Keys a split takes of the causal range [0, n): split s holds [s·len, (s + 1)·len) ∩ [0, n), so key n - 1
+// lies in split (n - 1) / len and the splits after it are empty.
+__device__ __forceinline__ int64_t split_len(int64_t n) { return (n + kDecodeSplits - 1) / kDecodeSplits; }
+
+// One warp's split of a decode row: the group's G query heads q [G, D] (normed and rotated, unscaled; global or
+// shared memory) against rows [s0, s1) of one KV head's cache (Kh, Vh), lane owning dimensions
+// [lane·D/32, (lane + 1)·D/32). Leaves the split's maximum score m, sum l and unnormalised output o per head
+// (-inf, 0, 0 when the split is empty).
 template <int D>
-__global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc, int64_t cap,
-                                 int n_q, int n_kv, int splits, const int64_t* pos_dev, float* part) {
+__device__ __forceinline__ void attend_split(const float* q_in, int G, const __nv_bfloat16* Kh,
+                                             const __nv_bfloat16* Vh, int64_t s0, int64_t s1,
+                                             float (&o)[kMaxGroup][D / 32], float (&m)[kMaxGroup],
+                                             float (&l)[kMaxGroup]) {
   constexpr int PL = D / 32;
-  start_next_kernel();
-  wait_previous_kernel();
-  const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (gw >= n_kv * splits) return;
-  const int split = gw % splits, kvh = gw / splits;
-  const int G = n_q / n_kv;
-  const int64_t n = *pos_dev + 1;
-  const int64_t len = (n + splits - 1) / splits, s0 = split * len, s1 = s0 + len < n ? s0 + len : n;
+  const int lane = threadIdx.x & 31;
   const float scale = rsqrtf(float(D));
-  float q[kMaxGroup][PL], o[kMaxGroup][PL], m[kMaxGroup], l[kMaxGroup];
+  float q[kMaxGroup][PL];
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
     m[g] = -INFINITY, l[g] = 0.f;
 #pragma unroll
     for (int i = 0; i < PL; ++i) {
-      q[g][i] = g < G ? qbuf[(kvh * G + g) * D + lane * PL + i] * scale : 0.f;
+      q[g][i] = g < G ? q_in[g * D + lane * PL + i] * scale : 0.f;
       o[g][i] = 0.f;
     }
   }
-  const __nv_bfloat16* Kh = Kc + int64_t(kvh) * cap * D + lane * PL;
-  const __nv_bfloat16* Vh = Vc + int64_t(kvh) * cap * D + lane * PL;
+  Kh += lane * PL, Vh += lane * PL;
   // keys in batches of kBatch, every load of a batch issued before its first use
   constexpr int kBatch = 4;
   for (int64_t sb = s0; sb < s1; sb += kBatch) {
@@ -672,49 +689,183 @@ __global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, con
       }
     }
   }
+}
+
+// Partials (m, l, o[d]: d + 2 floats each) of `heads` consecutive query heads, `count` a head, merged by one block
+// and gated: mix_h = Σ_s w_s·o_s / Σ_s w_s·l_s · σ(gate_h), w_s = exp(m_s - max_s m_s); q_gate and mix point at the
+// first head's rows. The partials are other blocks' (or kernels') writes: read through L2. A thread takes columns
+// t, t + blockDim, … (at most C: heads·d ≤ C·blockDim), every column's loads of a partial issued together (the
+// merge waits on L2 latency, not bandwidth); where blockDim ≥ 2·heads·d, `ways` threads share a column instead,
+// each summing every ways-th partial. Shared memory: wt [heads·(count + 1)], po [blockDim] (used where ways > 1).
+template <int C>
+__device__ void merge_partials(const float* part, int heads, int count, int d, const float* q_gate, float* mix,
+                               float* wt, float* po) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  float* lsum = wt + heads * count;
+  for (int h = warp; h < heads; h += warps) {
+    const float* ph = part + int64_t(h) * count * (d + 2);
+    float mx = -INFINITY;
+    for (int s = lane; s < count; s += 32) mx = fmaxf(mx, __ldcg(ph + int64_t(s) * (d + 2)));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float l = 0.f;
+    for (int s = lane; s < count; s += 32) {
+      const float ms = __ldcg(ph + int64_t(s) * (d + 2)), w = ms == -INFINITY ? 0.f : expf(ms - mx);
+      wt[h * count + s] = w;
+      l = fmaf(w, __ldcg(ph + int64_t(s) * (d + 2) + 1), l);
+    }
+    l = warp_sum(l);
+    if (lane == 0) lsum[h] = l;
+  }
+  __syncthreads();
+  const int cols = heads * d, ways = max(1, int(blockDim.x) / cols), way = threadIdx.x / cols;
+  const int first = threadIdx.x % cols;
+  const int mine = way >= ways ? 0 : ways > 1 ? 1 : (cols - first + int(blockDim.x) - 1) / int(blockDim.x);
+  const float* src[C];
+  const float* wts[C];
+  float acc[C];
+#pragma unroll
+  for (int k = 0; k < C; ++k) {
+    const int col = first + k * blockDim.x, h = min(col / d, heads - 1);  // (clamped where k ≥ mine: unused)
+    src[k] = part + int64_t(h) * count * (d + 2) + 2 + col % d, wts[k] = wt + h * count, acc[k] = 0.f;
+  }
+  if (way < ways)
+#pragma unroll 8
+    for (int s = way; s < count; s += ways)
+#pragma unroll
+      for (int k = 0; k < C; ++k)
+        if (k < mine) acc[k] = fmaf(wts[k][s], __ldcg(src[k] + int64_t(s) * (d + 2)), acc[k]);
+  auto gated = [&](int col, float o) {
+    const int h = col / d;
+    mix[col] = o / lsum[h] * sigmoidf_(q_gate[(2 * h + 1) * d + col % d]);
+  };
+  if (ways == 1) {
+#pragma unroll
+    for (int k = 0; k < C; ++k)
+      if (k < mine) gated(first + k * blockDim.x, acc[k]);
+    return;
+  }
+  po[threadIdx.x] = acc[0];
+  __syncthreads();
+  for (int col = threadIdx.x; col < cols; col += blockDim.x) {
+    float o = 0.f;
+    for (int k = 0; k < ways; ++k) o += po[k * cols + col];
+    gated(col, o);
+  }
+}
+
+// Decode's split-KV attention for the row at pos (unfused: after attn_prepare_kernel), one warp per (KV head,
+// split): attend_split's partials go to part [n_q, kDecodeSplits], merged by attention_combine_kernel. (Prefill's
+// attention is flash_attention.cuh.)
+template <int D>
+__global__ void attention_kernel(const float* qbuf, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc, int64_t cap,
+                                 int n_q, int n_kv, const int64_t* pos_dev, float* part) {
+  constexpr int PL = D / 32;
+  start_next_kernel();
+  wait_previous_kernel();
+  const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (gw >= n_kv * kDecodeSplits) return;
+  const int split = gw % kDecodeSplits, kvh = gw / kDecodeSplits, G = n_q / n_kv;
+  const int64_t n = *pos_dev + 1, len = split_len(n), s0 = split * len, s1 = s0 + len < n ? s0 + len : n;
+  float o[kMaxGroup][PL], m[kMaxGroup], l[kMaxGroup];
+  attend_split<D>(qbuf + int64_t(kvh) * G * D, G, Kc + int64_t(kvh) * cap * D, Vc + int64_t(kvh) * cap * D, s0, s1,
+                  o, m, l);
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
     if (g >= G) break;
-    float* pp = part + (int64_t(kvh * G + g) * splits + split) * (D + 2);
+    float* pp = part + (int64_t(kvh * G + g) * kDecodeSplits + split) * (D + 2);
 #pragma unroll
     for (int i = 0; i < PL; ++i) pp[2 + lane * PL + i] = o[g][i];
     if (lane == 0) pp[0] = m[g], pp[1] = l[g];
   }
 }
 
-// The splits of one decode row merged per query head (one block of 4·d threads per head), then · σ(gate).
-__global__ void attention_combine_kernel(const float* part, int splits, int d, const float* q_gate, float* mix,
-                                         int n_q) {
-  // blockDim = 4·d: quarter q of the block sums the splits s ≡ q (mod 4) for column c, so each thread waits on
-  // a quarter of the split loads; the splits' maxima and sums are read once, a split a thread.
-  extern __shared__ float merge[];  // [splits] weights, [4·d] partial outputs
-  __shared__ float scratch[32];
+// The splits of one decode row merged per query head and gated: a block of 4·d threads per head (merge_partials'
+// four ways), (kDecodeSplits + 1 + 4·d) floats of shared memory.
+__global__ void attention_combine_kernel(const float* part, int d, const float* q_gate, float* mix) {
+  extern __shared__ float merge[];
   start_next_kernel();
   wait_previous_kernel();
-  const int h = blockIdx.x, c = threadIdx.x % d, q = threadIdx.x / d;
-  const float* ph = part + int64_t(h) * splits * (d + 2);
-  float* wt = merge;
-  float* po = merge + splits;
-  float mx = -INFINITY;
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, ph[s * (d + 2)]);
-  mx = block_max(mx, scratch);
-  float l = 0.f;
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-    const float ms = ph[s * (d + 2)];
-    const float w = ms == -INFINITY ? 0.f : expf(ms - mx);
-    wt[s] = w;
-    l += w * ph[s * (d + 2) + 1];
+  const int h = blockIdx.x;
+  merge_partials<1>(part + int64_t(h) * kDecodeSplits * (d + 2), 1, kDecodeSplits, d, q_gate + int64_t(2 * h) * d,
+                    mix + int64_t(h) * d, merge, merge + kDecodeSplits + 1);
+}
+
+// Decode's attention for the row at pos in one kernel (Fusions::attn_prepare): attn_prepare_kernel's,
+// attention_kernel's and attention_combine_kernel's work, two kernel boundaries fewer. Grid (kAttnBlocks, n_kv) of
+// kAttnWarps warps, warp w of block b taking split b·kAttnWarps + w of its KV head's keys. Every block normalises
+// and rotates the group's G query heads into shared memory; the one whose splits hold key pos also writes that
+// row's k and v to the cache, where its split reads them back (after the block's barrier) as bf16 like every
+// other key. Each block merges its warps' splits into one partial per query head (part [n_q, kAttnBlocks]); the
+// last block of a KV head to arrive (arrivals[kvh] counts them) merges the group's partials into mix and sets the
+// count back to 0 for the next launch.
+template <int D>
+__global__ void __launch_bounds__(kAttnWarps * 32, 1)
+    attention_decode_kernel(const float* q_gate, const float* k, const float* v, const float* q_norm,
+                            const float* k_norm, __nv_bfloat16* Kc, __nv_bfloat16* Vc, int64_t cap,
+                            const int64_t* pos_dev, int n_q, int n_kv, int rot, float theta, float eps, float* part,
+                            unsigned* arrivals, float* mix) {
+  constexpr int PL = D / 32;
+  __shared__ float qs[kMaxGroup * D], krow[D], wo[kAttnWarps][D];
+  __shared__ float wm[kAttnWarps][kMaxGroup], wl[kAttnWarps][kMaxGroup];  // the warps' m, l
+  __shared__ float merge[kMaxGroup * (kAttnBlocks + 1) + kAttnWarps * 32];  // merge_partials' wt, po
+  __shared__ bool last;
+  start_next_kernel();
+  wait_previous_kernel();
+  const int b = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = n_q / n_kv;
+  const int64_t pos = *pos_dev, len = split_len(pos + 1);
+  const bool holds_pos = pos / len / kAttnWarps == b;
+  for (int r = warp; r < G + int(holds_pos); r += kAttnWarps) {
+    if (r < G) {
+      norm_rope_row(q_gate + int64_t(2 * (kvh * G + r)) * D, q_norm, qs + r * D, D, pos, rot, theta, eps);
+    } else {
+      norm_rope_row(k + int64_t(kvh) * D, k_norm, krow, D, pos, rot, theta, eps);
+      store_kv_row(krow, v + int64_t(kvh) * D, Kc, Vc, (int64_t(kvh) * cap + pos) * D, D);
+    }
   }
-  l = block_sum(l, scratch);  // its barriers also publish wt
-  float o = 0.f;
-#pragma unroll 8
-  for (int s = q; s < splits; s += 4)
-    if (wt[s] != 0.f) o = fmaf(wt[s], ph[s * (d + 2) + 2 + c], o);
-  po[threadIdx.x] = o;
+  __syncthreads();  // publishes qs, and the new cache row to the warp whose split holds it
+  const int64_t s0 = int64_t(b * kAttnWarps + warp) * len, s1 = s0 + len < pos + 1 ? s0 + len : pos + 1;
+  float o[kMaxGroup][PL], m[kMaxGroup], l[kMaxGroup];
+  attend_split<D>(qs, G, Kc + int64_t(kvh) * cap * D, Vc + int64_t(kvh) * cap * D, s0, s1, o, m, l);
+  if (lane == 0)
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) wm[warp][g] = m[g], wl[warp][g] = l[g];
   __syncthreads();
-  if (q == 0)
-    mix[h * d + c] = (po[c] + po[d + c] + po[2 * d + c] + po[3 * d + c]) / l *
-                     sigmoidf_(q_gate[(2 * h) * d + d + c]);
+  // the block's splits merged per query head, into its partial of that head
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g >= G) break;
+    float mx = -INFINITY;
+    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, wm[w][g]);
+    const float own = m[g] == -INFINITY ? 0.f : expf(m[g] - mx);
+#pragma unroll
+    for (int i = 0; i < PL; ++i) wo[warp][i * 32 + lane] = o[g][i] * own;  // lane-major: no bank conflicts
+    __syncthreads();
+    float* pg = part + (int64_t(kvh * G + g) * kAttnBlocks + b) * (D + 2);
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+      float sum = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w) sum += wo[w][c];
+      pg[2 + (c % 32) * PL + c / 32] = sum;  // wo's c is lane c % 32's dimension c / 32
+    }
+    if (threadIdx.x == 0) {
+      float sum = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w)
+        if (wm[w][g] != -INFINITY) sum = fmaf(expf(wm[w][g] - mx), wl[w][g], sum);
+      pg[0] = mx, pg[1] = sum;
+    }
+    __syncthreads();  // wo is the next head's
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();  // the block's partials (its threads', ordered before by the barrier) before its arrival
+    last = atomicAdd(arrivals + kvh, 1u) == kAttnBlocks - 1;
+    if (last) __threadfence();  // every arrival's partials before the reads below
+  }
+  __syncthreads();
+  if (!last) return;
+  merge_partials<kMaxGroup * D / (kAttnWarps * 32)>(part + int64_t(kvh) * G * kAttnBlocks * (D + 2), G, kAttnBlocks,
+                                                    D, q_gate + int64_t(2 * kvh * G) * D, mix + int64_t(kvh) * G * D,
+                                                    merge, merge + kMaxGroup * (kAttnBlocks + 1));
+  if (threadIdx.x == 0) arrivals[kvh] = 0;  // every block of this launch has added its arrival
 }
 
 // ---------------------------------------------------------------- Gated DeltaNet
@@ -1190,6 +1341,18 @@ inline int moe_down_tile_rows(int H, int sms) { return H / kDownTileRows >= sms 
 
 // The decode kernels' shared memory beyond the default 48 KB (once, before their first launch).
 inline cudaError_t allow_decode_smem();
+
+// f(std::integral_constant<int, d>) for the head dims the attention kernels are built for: 32, 64, 128, 256.
+template <class F>
+void by_head_dim(int d, F&& f) {
+  switch (d) {
+    case 32: f(std::integral_constant<int, 32>{}); break;
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    case 256: f(std::integral_constant<int, 256>{}); break;
+    default: throw std::invalid_argument("[cuda] head_dim " + std::to_string(d) + " (32, 64, 128 or 256)");
+  }
+}
 
 // make(std::integral_constant<int, U>) for rows of at most 1,024·U columns.
 template <class Make>
