@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="rows per prefill chunk (the backend's max_rows)")
+    ap.add_argument("--fusions-off", default="", help="decode fusions switched off, comma-separated (ablations)")
+    ap.add_argument("--no-pipeline", action="store_true", help="one decode step at a time (no step run ahead)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     import lily
@@ -87,7 +89,9 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     t0 = time.perf_counter()
-    e = lily.Engine.from_pretrained(args.model, backend="cuda", prefill_chunk=args.prefill_chunk)
+    off = [f for f in args.fusions_off.split(",") if f]
+    e = lily.Engine.from_pretrained(args.model, backend="cuda", prefill_chunk=args.prefill_chunk,
+                                    fusions={f: False for f in off}, metal_options={"pipeline": not args.no_pipeline})
     out["load_s"] = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     V = e.config.vocab_size
