@@ -693,7 +693,7 @@ int main(int argc, char** argv) {
     // the model's (G = 8, d 256): pos 1003 is the 4th key of a split of 8, 4001 the 2nd of a split of 32 with
     // the last two splits empty, 4095 the last key of the last split
     attention_cases({16, 2, 256, 64}, {0, 5, 200, 1003, 4001, 4095});
-    attention_time({16, 2, 256, 64}, 4095, 10);
+    for (const int64_t p : {127, 1023, 4095}) attention_time({16, 2, 256, 64}, p, 10);
     // the model's: GDN in_proj (qkv, z, b, a), attention's (q with its gate, k, v), out / o projection,
     // the router with the shared expert's gate (8-bit), the logits' projection (more tiles than stages)
     gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, true);
