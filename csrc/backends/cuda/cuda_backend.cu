@@ -733,9 +733,9 @@ class CudaBackend final : public Backend {
     if (W.cols % 32 != 0)
       throw std::invalid_argument("[cuda] weight " + W.name + ": " + std::to_string(W.cols) +
                                   " columns, the kernels need a multiple of 32");
-    if (W.quantized() && (W.group % 32 != 0 || (W.bits != 4 && W.bits != 8)))
+    if (W.quantized() && ((W.group != 32 && W.group != 64 && W.group != 128) || (W.bits != 4 && W.bits != 8)))
       throw std::invalid_argument("[cuda] weight " + W.name + ": " + std::to_string(W.bits) + "-bit groups of " +
-                                  std::to_string(W.group) + " (4 or 8 bits, groups a multiple of 32)");
+                                  std::to_string(W.group) + " (4 or 8 bits, groups of 32, 64 or 128 columns)");
     if (!W.quantized() && W.wdtype == DType::u32)
       throw std::invalid_argument("[cuda] weight " + W.name + ": integer dense weight");
     if (W.w_row_bytes % 16 || W.s_row_bytes % 2 || (W.experts > 1 && (W.w_expert_bytes % 16 || W.s_expert_bytes % 16)))

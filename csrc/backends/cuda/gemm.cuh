@@ -82,7 +82,7 @@ __device__ __forceinline__ void load_chunk(const LinDev& W, int e, int n, int c,
   for (int i = 0; i < WeightChunk<F>::kVecs; ++i) w.q[i] = p[i];
   if constexpr (F == kWQ4 || F == kWQ8) {
     const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(n) * W.s_row;
-    const int g = c / W.group;
+    const int g = group_of(W, c);
     w.scale = load_param(W.s + s_off, W.sdt, g);
     w.bias = load_param(W.b + s_off, W.sdt, g);
   }
@@ -101,20 +101,12 @@ __device__ __forceinline__ void store_chunk(const WeightChunk<F>& w, bool valid,
 #pragma unroll
     for (int i = 0; i < WeightChunk<F>::kVecs; ++i)
       words[4 * i] = w.q[i].x, words[4 * i + 1] = w.q[i].y, words[4 * i + 2] = w.q[i].z, words[4 * i + 3] = w.q[i].w;
-    if constexpr (F == kWQ4) {  // word i: columns 8i … 8i + 7, lowest nibble first
+    if constexpr (F == kWQ4 || F == kWQ8) {  // column c: code c % per of word c / per, lowest bits first
+      constexpr int bits = F == kWQ4 ? 4 : 8, per = 32 / bits;
+      constexpr uint32_t mask = (1u << bits) - 1u;
+      auto code = [&](int c) { return fmaf(w.scale, float((words[c / per] >> (bits * (c % per))) & mask), w.bias); };
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int p = 0; p < 4; ++p)
-          out[4 * i + p] = pack_bf16(fmaf(w.scale, float((words[i] >> (8 * p)) & 15u), w.bias),
-                                     fmaf(w.scale, float((words[i] >> (8 * p + 4)) & 15u), w.bias));
-    } else if constexpr (F == kWQ8) {  // word i: columns 4i … 4i + 3
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int p = 0; p < 2; ++p)
-          out[2 * i + p] = pack_bf16(fmaf(w.scale, float((words[i] >> (16 * p)) & 255u), w.bias),
-                                     fmaf(w.scale, float((words[i] >> (16 * p + 8)) & 255u), w.bias));
+      for (int k = 0; k < 16; ++k) out[k] = pack_bf16(code(2 * k), code(2 * k + 1));
     } else if constexpr (F == kWF16) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {

@@ -27,6 +27,9 @@ struct LinDev {
   uint64_t w_row = 0, s_row = 0, w_expert = 0, s_expert = 0;
 };
 
+// The group of column c (groups are 32, 64 or 128 columns, MLX's sizes: a shift, not a division).
+__device__ __forceinline__ int group_of(const LinDev& W, int c) { return c >> (__ffs(W.group) - 1); }
+
 __device__ __forceinline__ float load_param(const uint8_t* p, int dt, int i) {
   if (dt == kF32) return reinterpret_cast<const float*>(p)[i];
   const uint16_t h = reinterpret_cast<const uint16_t*>(p)[i];
@@ -76,7 +79,7 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 q, float* v) {
 __device__ __forceinline__ void dequant32(const LinDev& W, int e, int r, int c0, float* v) {
   const uint8_t* row = W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row;
   if (W.bits) {
-    const int g = c0 / W.group;
+    const int g = group_of(W, c0);
     const uint8_t* srow = uint64_t(e) * W.s_expert + uint64_t(r) * W.s_row + W.s;
     const uint8_t* brow = uint64_t(e) * W.s_expert + uint64_t(r) * W.s_row + W.b;
     const float scale = load_param(srow, W.sdt, g), bias = load_param(brow, W.sdt, g);
@@ -302,22 +305,10 @@ __device__ __forceinline__ void tile_load(const LinDev& W, int e, int r0, int n,
     bulk_load(dst + wb + sb, W.b + off, sb, bar);
   }
 }
-// The tile at src as a LinDev of n rows (one expert), for chunk_dot and dequant32.
-__device__ __forceinline__ LinDev tile_view(const LinDev& W, const uint8_t* src, int n) {
-  LinDev v = W;
-  v.w = src;
-  if (W.bits) {
-    v.s = src + round16(uint64_t(n) * W.w_row);
-    v.b = v.s + round16(uint64_t(n) * W.s_row);
-  }
-  v.rows = n, v.w_expert = 0, v.s_expert = 0;
-  return v;
-}
-
 // Decode's dot products run on the integer units: a 32-column chunk of the row x becomes 16-bit integers
 // (q = round(x / d), d = max|x| / 32767 per chunk: 2e-5 of the chunk's largest value, far below bf16's 4e-3)
 // and meets the codes in dp2a, two 16-bit × 8-bit products a lane an instruction. A word of eight 4-bit codes
-// takes three bit operations and four dp2a, against 24 instructions as floats: the float path made decode's
+// takes two bit operations and four dp2a, against 24 instructions as floats: the float path made decode's
 // GEMVs issue-bound at 1.4 TB/s while their bulk copies alone moved 4.2-4.5 TB/s (H200).
 __device__ __forceinline__ int dp2a_lo(int a, uint32_t b, int c) {
   int d;
@@ -352,36 +343,118 @@ struct QChunk {
       q[4 * i + 2] = pair(8 * i + 1, 8 * i + 3), q[4 * i + 3] = pair(8 * i + 5, 8 * i + 7);
     }
   }
-  // Σ code·q over word i, its even and odd columns' codes as bytes
-  __device__ __forceinline__ int dot8(int i, uint32_t even, uint32_t odd, int acc) const {
-    acc = dp2a_lo(q[4 * i], even, acc);
-    acc = dp2a_hi(q[4 * i + 1], even, acc);
-    acc = dp2a_lo(q[4 * i + 2], odd, acc);
-    return dp2a_hi(q[4 * i + 3], odd, acc);
+  // Σ code·q over word i's even columns (their codes as the bytes of `even`), and over its odd ones
+  __device__ __forceinline__ int dot_even(int i, uint32_t even, int acc) const {
+    return dp2a_hi(q[4 * i + 1], even, dp2a_lo(q[4 * i], even, acc));
+  }
+  __device__ __forceinline__ int dot_odd(int i, uint32_t odd, int acc) const {
+    return dp2a_hi(q[4 * i + 3], odd, dp2a_lo(q[4 * i + 2], odd, acc));
   }
 };
 
-// Row r of W (expert e; a tile or global memory) over columns [c0, c0 + 32) · the chunk x, quantised: scale ·
-// Σ code·x + bias · Σ x for the affine 4- and 8-bit formats; others through dequant32 against the staged row.
-__device__ __forceinline__ float chunk_dot(const LinDev& W, int e, int r, int c0, const QChunk& x) {
-  const uint8_t* row = W.w + uint64_t(e) * W.w_expert + uint64_t(r) * W.w_row;
-  const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(r) * W.s_row;
-  const int g = c0 / W.group;
-  int acc = 0;
-  if (W.bits == 4) {
-    const uint4 q = *reinterpret_cast<const uint4*>(row + c0 / 2);
+// Decode's dot products read their tiles by 32-bit shared-memory addresses: through generic pointers each load
+// of a chunk's codes, scale and bias cost a 64-bit address and the generic-to-shared check, and the chunk ~65
+// instructions against ~35 (a GEMV at 2 TB/s was issue-bound on them). The asm is volatile so that no load moves
+// above the mbarrier wait that makes its tile valid.
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+// Parameter i (a scale or bias) of dtype dt from the row of them at a.
+__device__ __forceinline__ float lds_param(uint32_t a, int dt, int i) {
+  if (dt == kF32) {
+    float f;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(f) : "r"(a + 4 * i));
+    return f;
+  }
+  unsigned short h;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(h) : "r"(a + 2 * i));
+  return dt == kBF16 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
+}
+
+// A tile of n rows of W in shared memory (tile_load's layout) by shared addresses, and its row r.
+struct TileRow {
+  uint32_t w, s, b;  // the row's codes, scales, biases
+};
+struct SmemTile {
+  uint32_t w, s, b, w_row, s_row;
+  __device__ __forceinline__ SmemTile(const LinDev& W, const uint8_t* tile, int n)
+      : w(smem_addr(tile)), s(w + round16(uint64_t(n) * W.w_row)), b(s + round16(uint64_t(n) * W.s_row)),
+        w_row(uint32_t(W.w_row)), s_row(uint32_t(W.s_row)) {}
+  __device__ __forceinline__ TileRow row(int r) const { return {w + r * w_row, s + r * s_row, b + r * s_row}; }
+};
+
+// A tile row of W's affine 4- or 8-bit format over columns [c0, c0 + 32) · the chunk x, quantised: scale ·
+// Σ code·x + bias · Σ x. The even and odd columns are summed apart (two chains, not one of sixteen dp2a); 4-bit
+// odd columns' codes stay in their high nibbles (w & 0xf0f0f0f0, 16× the code: no shift), so that sum is
+// 16× and the two fold as 16·even + odd (|·| < 2^28: exact in int32) against scale / 16.
+// Fmt: the format known at compile time (Q4BF16, the MLX checkpoints' own: a branch-free chunk) or read from W
+// (AnyFmt).
+struct AnyFmt {
+  __device__ static int bits(const LinDev& W) { return W.bits; }
+  __device__ static int sdt(const LinDev& W) { return W.sdt; }
+};
+struct Q4BF16 {
+  __device__ static constexpr int bits(const LinDev&) { return 4; }
+  __device__ static constexpr int sdt(const LinDev&) { return kBF16; }
+  __device__ static bool holds(const LinDev& W) { return W.bits == 4 && W.sdt == kBF16; }
+};
+template <class Fmt = AnyFmt>
+__device__ __forceinline__ float chunk_dot(const LinDev& W, const TileRow& R, int c0, const QChunk& x) {
+  const int g = group_of(W, c0);
+  const float bias = lds_param(R.b, Fmt::sdt(W), g);
+  float scale = lds_param(R.s, Fmt::sdt(W), g);
+  int even = 0, odd = 0;
+  if (Fmt::bits(W) == 4) {
+    const uint4 q = lds128(R.w + c0 / 2);
     const uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc = x.dot8(i, w[i] & 0x0f0f0f0fu, (w[i] >> 4) & 0x0f0f0f0fu, acc);
+    for (int i = 0; i < 4; ++i) even = x.dot_even(i, w[i] & 0x0f0f0f0fu, even), odd = x.dot_odd(i, w[i] & 0xf0f0f0f0u, odd);
+    even *= 16, scale *= 0.0625f;
   } else {
-    const uint4* p = reinterpret_cast<const uint4*>(row + c0);
-    const uint4 a = p[0], b = p[1];
+    const uint4 a = lds128(R.w + c0), b = lds128(R.w + c0 + 16);
     const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      acc = x.dot8(i, __byte_perm(w[2 * i], w[2 * i + 1], 0x6420), __byte_perm(w[2 * i], w[2 * i + 1], 0x7531), acc);
+      even = x.dot_even(i, __byte_perm(w[2 * i], w[2 * i + 1], 0x6420), even),
+      odd = x.dot_odd(i, __byte_perm(w[2 * i], w[2 * i + 1], 0x7531), odd);
   }
-  return fmaf(load_param(W.s + s_off, W.sdt, g) * x.d, float(acc), load_param(W.b + s_off, W.sdt, g) * x.sum);
+  return fmaf(scale * x.d, float(even + odd), bias * x.sum);
+}
+
+// A dense tile row (f32, bf16 or f16) over columns [c0, c0 + 32) · x, eight columns at a time (x8(k, v): x's
+// columns c0 + k … c0 + k + 7 into v): a whole chunk of weights and x as floats would hold 64 registers beside the
+// quantised chunks, and spill the 4-bit path's kernels.
+template <class X8>
+__device__ __forceinline__ float dense_chunk_dot(const LinDev& W, const TileRow& R, int c0, X8&& x8) {
+  float acc = 0.f;
+#pragma unroll
+  for (int k = 0; k < 32; k += 8) {
+    float w[8], v[8];
+    if (W.wdt == kF32) {
+      const uint4 a = lds128(R.w + 4 * (c0 + k)), b = lds128(R.w + 4 * (c0 + k) + 16);
+      const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = __uint_as_float(u[i]);
+    } else {
+      const uint4 a = lds128(R.w + 2 * (c0 + k));
+      if (W.wdt == kBF16) {
+        unpack_bf16x8(a, w);
+      } else {
+        const uint32_t u[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[i]));
+          w[2 * i] = f.x, w[2 * i + 1] = f.y;
+        }
+      }
+    }
+    x8(k, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc = fmaf(w[i], v[i], acc);
+  }
+  return acc;
 }
 
 // The lane's columns of a staged row, c = 32·lane + 1024·u for u < U (rows of at most 1,024·U columns),
@@ -419,27 +492,48 @@ struct LaneX {
   }
 };
 
-// Row r of the tile T · x over the lane's columns (not yet summed over the warp).
-template <int U>
-__device__ __forceinline__ float tile_row_dot(const LinDev& T, int r, const LaneX<U>& x) {
+// Rows r[k] (k < R) of the tile of n rows of W at `tile` · x over the lane's columns (not yet summed over the
+// warp), the rows' loads issued together: a warp's rows of a tile as independent chains.
+template <int U, int R>
+__device__ __forceinline__ void tile_rows_dot(const LinDev& W, const uint8_t* tile, int n, const int (&r)[R],
+                                              const LaneX<U>& x, float (&acc)[R]) {
   const int lane = threadIdx.x & 31;
-  float acc = 0.f;
+  const SmemTile T(W, tile, n);
+  TileRow rows[R];
+#pragma unroll
+  for (int k = 0; k < R; ++k) rows[k] = T.row(r[k]), acc[k] = 0.f;
+  auto quantised = [&](auto fmt) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c0 = lane * 32 + 1024 * u;
+      if (c0 < W.cols)
+        x.with(u, c0, [&](const QChunk& q) {
+#pragma unroll
+          for (int k = 0; k < R; ++k) acc[k] += chunk_dot<decltype(fmt)>(W, rows[k], c0, q);
+        });
+    }
+  };
+  if (Q4BF16::holds(W)) {
+    quantised(Q4BF16{});
+    return;
+  }
+  if (W.bits) {
+    quantised(AnyFmt{});
+    return;
+  }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c0 = lane * 32 + 1024 * u;
-    if (c0 < T.cols) {
-      if (T.bits) {
-        x.with(u, c0, [&](const QChunk& q) { acc += chunk_dot(T, 0, r, c0, q); });
-      } else {
-        float w[32], v[32];
-        dequant32(T, 0, r, c0, w);
-        load_chunk(x.xs, c0, v);
+    if (c0 < W.cols) {
+      auto x8 = [&](int k, float (&v)[8]) {
+        const float4* p = reinterpret_cast<const float4*>(x.xs + padded(c0 + k));
+        const float4 a = p[0], b = p[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+      };
 #pragma unroll
-        for (int k = 0; k < 32; ++k) acc = fmaf(w[k], v[k], acc);
-      }
+      for (int k = 0; k < R; ++k) acc[k] += dense_chunk_dot(W, rows[k], c0, x8);
     }
   }
-  return acc;
 }
 
 // A block's tiles: tile i of block b is tile b + i·G of the kernel's list (G blocks), so every block starts
@@ -538,10 +632,22 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(GemvJobs jobs, 
     locate(i, j, r0);
     with_job(jobs, j, [&](const LinDev& W, float* out) {
       const int n = min(TR, W.rows - r0);
-      const LinDev T = tile_view(W, ring.stage(i), n);
-      for (int r = warp; r < n; r += kDecodeWarps) {
-        const float v = warp_sum(tile_row_dot<U>(T, r, xl));
+      auto store = [&](int r, float v) {
+        v = warp_sum(v);
         if (lane == 0) out[r0 + r] = jobs.accumulate ? out[r0 + r] + v : v;
+      };
+      // a whole 16-row tile: the warp's two rows together (up to 2,048 columns: wider rows' held chunks leave no
+      // registers for two)
+      if (U <= 2 && n == 2 * kDecodeWarps) {
+        float v[2];
+        tile_rows_dot<U, 2>(W, ring.stage(i), n, {warp, warp + kDecodeWarps}, xl, v);
+        store(warp, v[0]), store(warp + kDecodeWarps, v[1]);
+      } else {
+        for (int r = warp; r < n; r += kDecodeWarps) {
+          float v[1];
+          tile_rows_dot<U, 1>(W, ring.stage(i), n, {r}, xl, v);
+          store(r, v[0]);
+        }
       }
     });
     ring.refill(i, issue);
@@ -1193,10 +1299,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) moe_gate_up_kernel(MoeDecod
   for (int i = 0; i < ring.count; ++i) {
     ring.wait(i);
     with_tile(i, [&](const LinDev& G, const LinDev& Up, int, int slot, int r0, int n) {
-      const LinDev TG = tile_view(G, ring.stage(i), n), TU = tile_view(Up, ring.stage(i) + tile_bytes(G, n), n);
       for (int r = warp; r < n; r += kDecodeWarps) {
-        const float g = warp_sum(tile_row_dot<U>(TG, r, xl)), u = warp_sum(tile_row_dot<U>(TU, r, xl));
-        if (lane == 0) h[slot * m.ldh + r0 + r] = siluf_(g) * u;
+        float g[1], u[1];
+        tile_rows_dot<U, 1>(G, ring.stage(i), n, {r}, xl, g);
+        tile_rows_dot<U, 1>(Up, ring.stage(i) + tile_bytes(G, n), n, {r}, xl, u);
+        g[0] = warp_sum(g[0]), u[0] = warp_sum(u[0]);
+        if (lane == 0) h[slot * m.ldh + r0 + r] = siluf_(g[0]) * u[0];
       }
     });
     ring.refill(i, issue);
@@ -1250,26 +1358,32 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) moe_down_kernel(MoeDecode m
     for (int r = 0; r < kDownTileRows; ++r) acc[r] = 0.f;
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
       const int j = min(p / chunks, K), c0 = (p - j * chunks) * 32;
-      const LinDev T = tile_view(j < K ? m.down : m.sdown, ring.stage(i) + j * slot_bytes, n);
+      const LinDev& D = j < K ? m.down : m.sdown;
+      const uint8_t* tile = ring.stage(i) + j * slot_bytes;
+      const SmemTile T(D, tile, n);
       float hv[32];
       load_chunk(hs, j * m.ldh + c0, hv);
       QChunk hq;
       hq.quantise(hv);
       const float wj = j < K ? ws[j] : shared_w;
+      auto walk = [&](auto&& dot) {  // the tile's rows, the format's branch taken once a pair
 #pragma unroll
-      for (int r = 0; r < kDownTileRows; ++r) {
-        if (r >= n) break;
-        float d = 0.f;
-        if (T.bits) {
-          d = chunk_dot(T, 0, r, c0, hq);
-        } else {
-          float v[32];
-          dequant32(T, 0, r, c0, v);
-#pragma unroll
-          for (int k = 0; k < 32; ++k) d = fmaf(v[k], hv[k], d);
+        for (int r = 0; r < kDownTileRows; ++r) {
+          if (r >= n) break;
+          acc[r] = fmaf(wj, dot(T.row(r)), acc[r]);
         }
-        acc[r] = fmaf(wj, d, acc[r]);
-      }
+      };
+      if (Q4BF16::holds(D))
+        walk([&](const TileRow& row) { return chunk_dot<Q4BF16>(D, row, c0, hq); });
+      else if (D.bits)
+        walk([&](const TileRow& row) { return chunk_dot(D, row, c0, hq); });
+      else
+        walk([&](const TileRow& row) {
+          return dense_chunk_dot(D, row, c0, [&](int k, float (&v)[8]) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = hv[k + i];
+          });
+        });
     }
 #pragma unroll
     for (int r = 0; r < kDownTileRows; ++r) {
