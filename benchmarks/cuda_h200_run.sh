@@ -5,6 +5,8 @@
 # prefill benchmarks and `lily bench`; then llama-bench; transformers bf16 and the bytes of a decode step (ncu)
 # while time is left. Run from the root of a copy of the repository, with $OUT set (at most 8 files come back).
 # FALLBACK: a second tree whose tests and benchmarks run instead when the decode harness fails in this one.
+# BUDGET: seconds from the start by which llama.cpp's jobs stop (560); END: by which the optional steps
+# (transformers, the bytes of a step) must be done (590).
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -27,7 +29,7 @@ el "lily tests + benchmarks in $TREE"
   bash benchmarks/cuda_device.sh 2>&1 | grep -v "^PASSED" | tail -30)
 el "llama.cpp"
 bash "$PEER" bench 2>&1 | tail -22
-LEFT=$(( T0 + 590 - $(date +%s) ))
+LEFT=$(( T0 + ${END:-590} - $(date +%s) ))
 if [ $LEFT -gt 60 ]; then
   el "transformers bf16 (${LEFT} s)"
   (cd "$TREE" && PYTHONPATH=src PYTHONUNBUFFERED=1 timeout $(( LEFT > 150 ? LEFT - 70 : LEFT )) python3 \
@@ -36,7 +38,7 @@ if [ $LEFT -gt 60 ]; then
 else
   el "transformers skipped (${LEFT} s left)"
 fi
-LEFT=$(( T0 + 590 - $(date +%s) ))
+LEFT=$(( T0 + ${END:-590} - $(date +%s) ))
 if [ $LEFT -gt 50 ]; then
   el "bytes per decode step (${LEFT} s)"
   (cd "$TREE" && PYTHONPATH=src timeout $(( LEFT - 5 )) python3 benchmarks/cuda_bytes.py --model /tmp/synth-full \

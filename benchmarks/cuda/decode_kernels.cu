@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) stream_tiles_kernel(LinDev 
     mbar_arm(ring.bar(i), tile_bytes(W, n));
     tile_load(W, 0, r0, n, ring.stage(i), ring.bar(i));
   };
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == kIssuer) {
     ring.init();
     for (int i = 0; i < min(stages, ring.count); ++i) issue(i);
   }

@@ -782,7 +782,7 @@ class CudaBackend final : public Backend {
 
   void gemv(GemvJobs& jobs, const float* x, const float* norm, float* xn_out) {
     const int cols = jobs.W[0].cols;
-    if (norm && cols > kNormRowMax) throw std::logic_error("[cuda] a normed GEMV row of " + std::to_string(cols));
+    if (cols > kDecodeRowMax) throw std::logic_error("[cuda] a GEMV row of " + std::to_string(cols) + " columns");
     const uint32_t stage_bytes = plan_gemv(jobs, slots_);
     const DecodeGrid g = decode_grid(jobs.tile_first[jobs.n], stage_bytes, gemv_row_bytes(cols), slots_,
                                      "a GEMV of " + std::to_string(cols) + " columns");

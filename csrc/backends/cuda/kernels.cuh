@@ -210,42 +210,6 @@ __device__ __forceinline__ float stage(const float* src, int n, float* dst) {
   return ss;
 }
 
-// x (cols floats) into shared memory, RMSNorm'd by `norm` when given (norm == nullptr: copied as is). The
-// thread's share of x and of the norm weights stays in registers across the block sum, so staging costs one
-// memory latency (a loop over the norm weights after the sum cost one per element a thread scales).
-constexpr int kNormRowMax = 8 * 4 * 256;  // floats: eight float4s a thread at 256 threads
-__device__ __forceinline__ void stage_row(const float* x, int cols, const float* norm, float eps, float* xs,
-                                          float* scratch32) {
-  if (!norm) {
-    stage(x, cols, xs);
-    __syncthreads();
-    return;
-  }
-  float4 v[8], g[8];
-  float ss = 0.f;
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    const int i = (threadIdx.x + b * blockDim.x) * 4;
-    if (i < cols) {
-      v[b] = *reinterpret_cast<const float4*>(x + i);
-      g[b] = *reinterpret_cast<const float4*>(norm + i);
-    }
-  }
-#pragma unroll
-  for (int b = 0; b < 8; ++b)
-    if ((threadIdx.x + b * blockDim.x) * 4 < cols)
-      ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
-  const float inv = rsqrtf(block_sum(ss, scratch32) / float(cols) + eps);
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-    const int i = (threadIdx.x + b * blockDim.x) * 4;
-    if (i < cols)
-      *reinterpret_cast<float4*>(xs + padded(i)) =
-          make_float4(v[b].x * inv * g[b].x, v[b].y * inv * g[b].y, v[b].z * inv * g[b].z, v[b].w * inv * g[b].w);
-  }
-  __syncthreads();
-}
-
 // ---------------------------------------------------------------- decode: weights streamed through shared memory
 //
 // Decode's GEMVs move each weight once, so their time is the DRAM latency and the bytes in flight. Their
@@ -457,24 +421,89 @@ __device__ __forceinline__ float dense_chunk_dot(const LinDev& W, const TileRow&
   return acc;
 }
 
-// The lane's columns of a staged row, c = 32·lane + 1024·u for u < U (rows of at most 1,024·U columns),
-// quantised once (held in registers up to four chunks, quantised per use beyond); dense weights read the
-// staged floats.
+// ---------------------------------------------------------------- a decode block's input row
+
+// A 32-column chunk of the staged row, quantised (QChunk), as shared memory holds it: 16-byte aligned, so a lane
+// takes it in four 128-bit loads and one 64-bit.
+struct alignas(16) StagedChunk {
+  int q[16];
+  float d, sum, pad_[2];
+};
+__host__ __device__ constexpr uint32_t staged_chunks_bytes(int cols) {
+  return uint32_t((cols + 31) / 32) * uint32_t(sizeof(StagedChunk));
+}
+
+// This thread's chunk of the norm weights (columns 32·thread …), read before the kernel waits on the one before
+// it: weights are no kernel's output, and after the wait their loads queue behind the tiles' copies.
+struct NormChunk {
+  float4 g[8];
+  __device__ __forceinline__ void load(const float* norm, int cols) {
+    const int c0 = int(threadIdx.x) * 32;
+    if (!norm || c0 >= cols) return;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) g[i] = reinterpret_cast<const float4*>(norm + c0)[i];
+  }
+};
+
+constexpr int kDecodeRowMax = 32 * kDecodeThreads;  // columns of a decode kernel's input row: a chunk a thread
+
+// A decode block's input row x (cols floats, a multiple of 32, at most kDecodeRowMax) into shared memory once,
+// RMSNorm'd by `norm` when given (nc: its chunks, NormChunk::load): the floats at xs, padded (the dense formats
+// and xn_out read them), and each 32-column chunk quantised at qx, thread t taking chunk t. Every lane quantising
+// its own chunks — the same ones in every warp, 16 times the work an SM — cost 1.2-2.6 µs of a 7-12 µs GEMV
+// (cuda_h200_gemv_timeline.txt). A chunk is quantised before the norm's 1/rms is known, which then scales its
+// step and sum only (round(v / d) is the same for v·s and d·s). Ends on a barrier.
+__device__ __forceinline__ void stage_row(const float* x, int cols, const float* norm, const NormChunk& nc,
+                                          float eps, float* xs, StagedChunk* qx, float* scratch32) {
+  const int c0 = int(threadIdx.x) * 32;
+  const bool mine = c0 < cols;
+  float v[32];
+  float ss = 0.f;
+  QChunk q;
+  if (mine) {
+    float4 a[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a[i] = reinterpret_cast<const float4*>(x + c0)[i];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      ss += a[i].x * a[i].x + a[i].y * a[i].y + a[i].z * a[i].z + a[i].w * a[i].w;
+      const float4 g = norm ? nc.g[i] : make_float4(1.f, 1.f, 1.f, 1.f);
+      v[4 * i] = a[i].x * g.x, v[4 * i + 1] = a[i].y * g.y, v[4 * i + 2] = a[i].z * g.z, v[4 * i + 3] = a[i].w * g.w;
+    }
+    q.quantise(v);
+  }
+  const float inv = norm ? rsqrtf(block_sum(ss, scratch32) / float(cols) + eps) : 1.f;
+  if (mine) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      *reinterpret_cast<float4*>(xs + padded(c0) + 4 * i) =
+          make_float4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
+    StagedChunk& out = qx[threadIdx.x];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out.q[i] = q.q[i];
+    out.d = q.d * inv, out.sum = q.sum * inv;
+  }
+  __syncthreads();
+}
+
+// The lane's columns of a staged row, c = 32·lane + 1024·u for u < U (rows of at most 1,024·U columns): its
+// quantised chunks held in registers up to four (quantised per use beyond); dense weights read the staged floats.
 template <int U>
 struct LaneX {
   static constexpr bool kHeld = U <= 4;
   QChunk c[kHeld ? U : 1];
   const float* xs;
-  __device__ __forceinline__ void load(const float* staged, int cols) {
+  __device__ __forceinline__ void load(const float* staged, const StagedChunk* qx, int cols) {
     xs = staged;
     if constexpr (kHeld) {
       const int lane = threadIdx.x & 31;
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (lane * 32 + 1024 * u < cols) {
-          float v[32];
-          load_chunk(xs, lane * 32 + 1024 * u, v);
-          c[u].quantise(v);
+          const StagedChunk& s = qx[lane + 32 * u];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) c[u].q[i] = s.q[i];
+          c[u].d = s.d, c[u].sum = s.sum;
         }
     }
   }
@@ -536,6 +565,10 @@ __device__ __forceinline__ void tile_rows_dot(const LinDev& W, const uint8_t* ti
   }
 }
 
+// The thread that issues a block's bulk copies: the last, whose warp stages no chunk of a row of up to 7,168
+// columns (stage_row), so its issuing (~1 µs for a few tiles) delays no staging.
+constexpr int kIssuer = kDecodeThreads - 1;
+
 // A block's tiles: tile i of block b is tile b + i·G of the kernel's list (G blocks), so every block starts
 // on the list's head (the tiles a kernel can issue earliest come first) and the blocks' shares differ by one.
 struct TileRing {
@@ -546,18 +579,18 @@ struct TileRing {
   __device__ __forceinline__ int tile(int i) const { return blockIdx.x + i * gridDim.x; }
   __device__ __forceinline__ uint8_t* stage(int i) const { return base + (i % stages) * stage_bytes; }
   __device__ __forceinline__ uint64_t* bar(int i) const { return full + i % stages; }
-  // by thread 0, before any other thread waits on the barriers (a __syncthreads between)
+  // by kIssuer, before any other thread waits on the barriers (a __syncthreads between)
   __device__ __forceinline__ void init() const {
     for (int s = 0; s < stages; ++s) mbar_init(full + s);
     mbar_init_fence();
   }
   __device__ __forceinline__ void wait(int i) const { mbar_wait(bar(i), (i / stages) & 1); }
-  // After tile i is consumed: every warp done with its stage, thread 0 issues tile i + stages into it.
+  // After tile i is consumed: every warp done with its stage, kIssuer issues tile i + stages into it.
   template <class Issue>
   __device__ __forceinline__ void refill(int i, Issue&& issue) const {
     if (i + stages >= count) return;
     __syncthreads();
-    if (threadIdx.x == 0) issue(i + stages);
+    if (threadIdx.x == kIssuer) issue(i + stages);
   }
 };
 
@@ -587,7 +620,8 @@ __device__ __forceinline__ void with_job(const GemvJobs& jobs, int j, F&& f) {
 
 // out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null), rows of at most 1,024·U columns; `xn_out`, when
 // given, receives the staged row (block 0), for the ops after a fused norm that read xn. Shared memory:
-// [stages · stage_bytes] tiles, then the staged row. Each warp takes the tile's rows warp, warp + 8, ….
+// [stages · stage_bytes] tiles, then the staged row (gemv_row_bytes). Each warp takes the tile's rows warp,
+// warp + 8, ….
 template <int U>
 __global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(GemvJobs jobs, const float* x, int cols,
                                                                   const float* norm, float eps, float* xn_out,
@@ -614,17 +648,20 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(GemvJobs jobs, 
       tile_load(W, 0, r0, n, ring.stage(i), ring.bar(i));
     });
   };
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == kIssuer) {
     ring.init();
     for (int i = 0; i < min(stages, ring.count); ++i) issue(i);  // before the wait: weights are no kernel's output
   }
+  NormChunk nc;
+  nc.load(norm, cols);
   wait_previous_kernel();
   float* xs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
-  stage_row(x, cols, norm, eps, xs, scratch);  // its barrier also publishes the ring's initialisation
+  StagedChunk* qx = reinterpret_cast<StagedChunk*>(xs + padded_floats(cols));
+  stage_row(x, cols, norm, nc, eps, xs, qx, scratch);  // its barrier also publishes the ring's initialisation
   if (xn_out && blockIdx.x == 0)
     for (int c = threadIdx.x; c < cols; c += blockDim.x) xn_out[c] = xs[padded(c)];
   LaneX<U> xl;
-  xl.load(xs, cols);
+  xl.load(xs, qx, cols);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = 0; i < ring.count; ++i) {
     ring.wait(i);
@@ -1237,8 +1274,10 @@ struct MoeDecode {
     const uint32_t shared = tile_bytes(sgate, kTileRows) + tile_bytes(sup, kTileRows);
     return routed > shared ? routed : shared;
   }
-  // the staged xn and the router logits
-  __host__ __device__ uint32_t gate_up_extra(int H) const { return (padded_floats(H) + E) * sizeof(float); }
+  // the staged xn (floats and quantised chunks) and the router logits
+  __host__ __device__ uint32_t gate_up_extra(int H) const {
+    return (padded_floats(H) + E) * sizeof(float) + staged_chunks_bytes(H);
+  }
   __host__ __device__ uint32_t down_stage_bytes(int tr) const { return K * tile_bytes(down, tr) + tile_bytes(sdown, tr); }
   // the staged h, the route's weights and ids
   __host__ __device__ uint32_t down_extra() const { return (padded_floats((K + 1) * ldh) + 2 * K) * sizeof(float); }
@@ -1276,17 +1315,19 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) moe_gate_up_kernel(MoeDecod
     });
   };
   const int first = min(stages, ring.count);
-  int issued = 0;  // thread 0's count of tiles issued
-  if (threadIdx.x == 0) {
+  int issued = 0;  // kIssuer's count of tiles issued
+  if (threadIdx.x == kIssuer) {
     ring.init();
     while (issued < first && ring.tile(issued) < shared_tiles) issue(issued++);  // before the wait
   }
   wait_previous_kernel();
   float* xs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
-  stage(xn, H, xs);
-  block_topk(router, xs + padded_floats(H), m.E, m.K, route, route_w);  // its barriers publish xs and the ring
-  if (threadIdx.x == 0)
+  StagedChunk* qx = reinterpret_cast<StagedChunk*>(xs + padded_floats(H));
+  // the route first: the routed tiles wait on it, the staging does not (its barriers publish the ring)
+  block_topk(router, reinterpret_cast<float*>(qx + (H + 31) / 32), m.E, m.K, route, route_w);
+  if (threadIdx.x == kIssuer)
     while (issued < first) issue(issued++);
+  stage_row(xn, H, nullptr, NormChunk{}, 0.f, xs, qx, nullptr);
   if (blockIdx.x == 0 && threadIdx.x < m.K) ids[threadIdx.x] = route[threadIdx.x], weights[threadIdx.x] = route_w[threadIdx.x];
   if (threadIdx.x <= m.K) {  // this block's share of slot threadIdx.x's down projection (H rows) into L2
     const int per = (m.down.rows + gridDim.x - 1) / gridDim.x, r0 = blockIdx.x * per;
@@ -1294,7 +1335,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) moe_gate_up_kernel(MoeDecod
     else prefetch_rows(m.down, route[threadIdx.x], r0, min(r0 + per, m.down.rows));
   }
   LaneX<U> xl;
-  xl.load(xs, H);
+  xl.load(xs, qx, H);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = 0; i < ring.count; ++i) {
     ring.wait(i);
@@ -1338,11 +1379,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) moe_down_kernel(MoeDecode m
     for (int j = 0; j <= K; ++j)
       tile_load(j < K ? m.down : m.sdown, j < K ? es[j] : 0, r0, n, ring.stage(i) + j * slot_bytes, ring.bar(i));
   };
-  if (threadIdx.x == 0) ring.init();
+  if (threadIdx.x == kIssuer) ring.init();
   wait_previous_kernel();
   if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
   __syncthreads();
-  if (threadIdx.x == 0)
+  if (threadIdx.x == kIssuer)
     for (int i = 0; i < min(stages, ring.count); ++i) issue(i);
   stage(h, (K + 1) * m.ldh, hs);
   __syncthreads();
@@ -1431,7 +1472,8 @@ inline int decode_slots(int sms, int per_sm) {
   return per_sm * sms;
 }
 
-inline uint32_t gemv_row_bytes(int cols) { return padded_floats(cols) * sizeof(float); }
+// A GEMV block's staged row: its floats, padded, and its quantised chunks (stage_row).
+inline uint32_t gemv_row_bytes(int cols) { return padded_floats(cols) * sizeof(float) + staged_chunks_bytes(cols); }
 
 // The jobs' tiles: 16 rows where two stages fit a block's shared memory and the tiles still fill the decode
 // slots, else 8 (the 4,096-column projections: 128 tiles of 16 rows left one block an SM computing 16 rows of
