@@ -1,7 +1,8 @@
-// Correctness and speed of the CUDA backend's decode kernels (kernels.cuh: gemv_kernel, moe_gate_up_kernel,
-// moe_down_kernel, argmax_kernel, attention_decode_kernel and the three attention kernels it fuses) on fresh random
-// data, each against a naive fp32 reference (a kernel, or host code for attention) in this file, with the launch
-// geometry the backend uses (plan_gemv, decode_grid, moe_down_tile_rows, kAttnBlocks); exits 1 on a failure.
+// Correctness and speed of the CUDA backend's decode kernels (kernels.cuh: gemv_kernel, moe_decode_kernel with and
+// without the route, argmax_kernel, attention_decode_kernel and the three attention kernels it fuses) on fresh
+// random data, each against a naive fp32 reference (a kernel, or host code for attention) in this file, with the
+// launch geometry the backend uses (plan_gemv, decode_grid, moe_decode_grid, attn_blocks_used); exits 1 on a
+// failure.
 //
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
 //        -o build/decode_kernels && build/decode_kernels
@@ -25,7 +26,11 @@ cudaStream_t stream;
 
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-  CK(launch_dependent(stream, kernel, grid, block, smem, args...));
+  CK(launch_dependent(stream, false, kernel, grid, block, smem, args...));
+}
+template <class... P, class... A>
+void launch_resident(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+  CK(launch_dependent(stream, true, kernel, grid, block, smem, args...));
 }
 
 // Median microseconds of one `body()` (which issues `per` launches into `stream`), captured as a graph.
@@ -180,10 +185,13 @@ void gemv_case(const std::vector<Job>& js, int cols, bool norm, bool accumulate,
 // ---------------------------------------------------------------- experts
 
 struct Experts {
-  Weights gate, up, down, sgate, sup, sdown;
+  Weights gate, up, down, sgate, sup, sdown, router, shared_router;
   int H, I, Is, E, K;
+  bool fused = false;  // the route inside the gate/up kernel (as CudaBackend's moe_norm_route + moe_decode)
   MoeDecode plan() const {
-    return MoeDecode{gate.W, up.W, sgate.W, sup.W, down.W, sdown.W, K, E, std::max(I, Is)};
+    MoeDecode md{gate.W, up.W, sgate.W, sup.W, down.W, sdown.W, K, E, std::max(I, Is)};
+    if (fused) md.router = router.W, md.shared_router = shared_router.W;
+    return md;
   }
 };
 
@@ -195,41 +203,49 @@ void make_experts(Experts& x, int H, int I, int Is, int E, int K) {
   make_weights(x.sgate, 1, Is, H, 4, kBF16, kBF16, 64);
   make_weights(x.sup, 1, Is, H, 4, kBF16, kBF16, 64);
   make_weights(x.sdown, 1, H, Is, 4, kBF16, kBF16, 64);
+  make_weights(x.router, 1, E, H, 8, kBF16, kBF16, 64);  // the MLX checkpoints' 8-bit router and shared gate
+  make_weights(x.shared_router, 1, 1, H, 8, kBF16, kBF16, 64);
 }
 
+// xn: gate/up's input row (unfused) — or, with the route fused in, x (the residual, which down also updates)
+// RMSNorm'd by norm inside the kernel. router / sg: the logits, input (unfused) or output (fused).
 struct MoeBuffers {
   float *xn, *router, *h, *w, *sg, *x;
   int32_t* ids;
+  const float* norm = nullptr;
+  unsigned* count = nullptr;
 };
 
-// The experts' two kernels as the backend launches them (gate_up / down false: that one left out, for timing).
-void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H, bool gate_up = true, bool down = true) {
-  const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), slots, "gate_up");
-  if (gate_up)
-    launch(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads,
-           g.smem, md, (const float*)b.xn, H, (const float*)b.router, b.ids, b.w, b.h, g.stages,
-           md.gate_up_stage_bytes());
-  const int tr = moe_down_tile_rows(H, sms);
-  const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), slots, "down");
-  if (down)
-    launch(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, (const float*)b.h, (const float*)b.sg,
-           (const int32_t*)b.ids, (const float*)b.w, b.x, tr, d.stages, md.down_stage_bytes(tr));
+// The experts' kernel as the backend launches it.
+void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H) {
+  const MoeGrid g = moe_decode_grid(md, H, slots, sms);
+  const bool fused = md.route_tiles() > 0;
+  launch_resident(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
+         md, (const float*)(fused ? b.x : b.xn), b.x, H, fused ? b.norm : nullptr, 1e-6f, b.router, b.sg, b.count,
+         b.ids, b.w, b.h, g.stages, md.gate_up_stage_bytes(), g.ring_bytes, g.down_rows);
 }
 
 float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 // The route (top-k, ties to the lower id; softmax weights over the K), h of every slot and the residual
 // update, each against the reference decoding of the same weights.
-void experts_case(int H, int I, int Is, int E, int K, bool time) {
+void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused) {
   const std::string shape = "H " + std::to_string(H) + " I " + std::to_string(I) + " Is " + std::to_string(Is) +
-                            " E " + std::to_string(E) + " K " + std::to_string(K);
+                            " E " + std::to_string(E) + " K " + std::to_string(K) + (fused ? " route" : "");
   Experts ex;
   make_experts(ex, H, I, Is, E, K);
+  ex.fused = fused;
   const MoeDecode md = ex.plan();
   const int ldh = md.ldh;
-  const std::vector<float> xn = random_floats(H, -2.f, 2.f), router = random_floats(E, -4.f, 4.f);
-  const std::vector<float> x0 = random_floats(H, -1.f, 1.f), sg = random_floats(1, -2.f, 2.f);
+  const std::vector<float> x0 = random_floats(H, -1.f, 1.f), g = random_floats(H, 0.5f, 1.5f);
+  std::vector<float> xn = random_floats(H, -2.f, 2.f), router = random_floats(E, -4.f, 4.f);
+  std::vector<float> sg = random_floats(1, -2.f, 2.f);
+  if (fused) xn = rmsnorm(x0, g, 1e-6f);
   MoeBuffers b{upload(xn), upload(router), nullptr, nullptr, upload(sg), upload(x0), nullptr};
+  float* dg = upload(g);
+  b.norm = dg;
+  CK(cudaMalloc(&b.count, 3 * sizeof(unsigned)));
+  CK(cudaMemset(b.count, 0, 3 * sizeof(unsigned)));
   CK(cudaMalloc(&b.h, size_t(K + 1) * ldh * 4));
   CK(cudaMemset(b.h, 0, size_t(K + 1) * ldh * 4));
   CK(cudaMalloc(&b.w, K * 4));
@@ -237,6 +253,16 @@ void experts_case(int H, int I, int Is, int E, int K, bool time) {
   launch_experts(md, b, H);
   CK(cudaStreamSynchronize(stream));
   CK(cudaGetLastError());
+  if (fused) {  // the logits the kernel computed; the route below is checked against its own logits
+    check("logits", shape, download(b.router, E), ref_gemv(ex.router.W, 0, xn), kDotTol);
+    check("sg", shape, download(b.sg, 1), ref_gemv(ex.shared_router.W, 0, xn), kDotTol);
+    router = download(b.router, E), sg = download(b.sg, 1);
+  }
+  std::vector<unsigned> counts(3);
+  CK(cudaMemcpy(counts.data(), b.count, sizeof(unsigned) * 3, cudaMemcpyDeviceToHost));
+  const bool reset = counts[0] == 0 && counts[1] == 0 && counts[2] == 0;
+  if (!reset) ++failures;
+  std::printf("%-8s %-50s %s\n", "counts", shape.c_str(), reset ? "0 after the launch: ok" : "not reset: FAIL");
   // the route
   std::vector<int> order(E);
   for (int e = 0; e < E; ++e) order[e] = e;
@@ -282,20 +308,30 @@ void experts_case(int H, int I, int Is, int E, int K, bool time) {
     const uint64_t gate_up_bytes = K * (weight_bytes(ex.gate.W) + weight_bytes(ex.up.W)) + weight_bytes(ex.sgate.W) +
                                    weight_bytes(ex.sup.W);
     const uint64_t down_bytes = K * weight_bytes(ex.down.W) + weight_bytes(ex.sdown.W);
-    for (const int part : {3, 1, 2}) {  // both kernels, gate_up alone (the route, h), down alone (the last route's)
+    const uint64_t route_bytes = weight_bytes(ex.router.W) + weight_bytes(ex.shared_router.W);
+    // unfused: the experts' kernel alone (on given logits), then with the router's GEMV before it (the step's
+    // two kernels); fused: the route inside, one kernel
+    for (const bool with_router : fused ? std::vector<bool>{true} : std::vector<bool>{false, true}) {
       const double us = graph_us([&] {
         for (int l = 0; l < 40; ++l) {
           MoeBuffers bl = b;
           bl.router = routers[l];
-          launch_experts(md, bl, H, part & 1, part & 2);
+          if (with_router && !fused) {
+            GemvJobs route;
+            route.W[0] = ex.router.W, route.out[0] = bl.router, route.W[1] = ex.shared_router.W, route.out[1] = bl.sg;
+            route.n = 2;
+            launch_gemv(route, bl.x, H, dg, bl.xn);
+          }
+          launch_experts(md, bl, H);
         }
       }, 40);
-      print_time("time", shape + (part == 3 ? " gate_up+down" : part == 1 ? " gate_up" : " down"), us,
-                 (part & 1 ? gate_up_bytes : 0) + (part & 2 ? down_bytes : 0));
+      print_time("time", shape + (with_router ? " route+experts" : " experts"), us,
+                 gate_up_bytes + down_bytes + (with_router ? route_bytes : 0));
     }
     for (float* p : routers) cudaFree(p);
   }
-  for (void* p : std::initializer_list<void*>{b.xn, b.router, b.h, b.w, b.sg, b.x, b.ids}) cudaFree(p);
+  for (void* p : std::initializer_list<void*>{b.xn, b.router, b.h, b.w, b.sg, b.x, b.ids, (void*)dg, (void*)b.count})
+    cudaFree(p);
 }
 
 // ---------------------------------------------------------------- attention
@@ -611,10 +647,14 @@ void step_case() {
     return p;
   };
   float *x = buf(H), *g = buf(H), *qkv = buf(8192), *z = buf(4096), *ba = buf(64), *mix = buf(4096);
-  float *logit = buf(256), *sgl = buf(1), *xn = buf(H), *logits = buf(V);
+  float *sgl = buf(1), *xn = buf(H), *logits = buf(V);
   MoeBuffers b{xn, nullptr, buf(9 * 512), buf(8), sgl, x, nullptr};
   CK(cudaMalloc(&b.ids, 8 * 4));
   owned.push_back(b.ids);
+  CK(cudaMalloc(&b.count, sizeof(unsigned)));
+  CK(cudaMemset(b.count, 0, sizeof(unsigned)));
+  owned.push_back(b.count);
+  b.norm = g;
   std::vector<float*> routers;
   for (int l = 0; l < layers; ++l) routers.push_back(buf(256));
   int32_t* token = nullptr;
@@ -639,18 +679,17 @@ void step_case() {
       GemvJobs out = one(c[3][l], x);
       out.accumulate = true;
       launch_gemv(out, mix, 4096, nullptr, nullptr);
-      GemvJobs route = one(c[4][l], routers[l]);
-      route.W[1] = c[5][l], route.out[1] = sgl, route.n = 2;
-      launch_gemv(route, x, H, g, xn);
+      MoeDecode ml = md;  // the route inside the experts' gate/up kernel, as the backend runs it
+      ml.router = c[4][l], ml.shared_router = c[5][l];
       MoeBuffers bl = b;
       bl.router = routers[l];
-      launch_experts(md, bl, H);
+      launch_experts(ml, bl, H);
     }
     launch_gemv(one(lm.W, logits), x, H, g, nullptr);
     launch(argmax_kernel, std::min(sms, (V + 1023) / 1024), 1024, 0, (const float*)logits, V, slot, token);
   }, 1);
   std::printf("%-8s %-50s %8.1f us  %6.2f TB/s  (%d kernels)\n", "step", "40 layers' projections + experts, lm_head",
-              us, bytes / us * 1e-6, layers * 5 + 2);
+              us, bytes / us * 1e-6, layers * 4 + 2);
   for (void* p : owned) cudaFree(p);
   cudaFree(token), cudaFree(slot);
 }
@@ -673,7 +712,7 @@ int main(int argc, char** argv) {
   if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
     gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);
     gemv_case({{248320, 4}}, 2048, true, false, false);
-    experts_case(2048, 512, 512, 256, 8, false);
+    experts_case(2048, 512, 512, 256, 8, false, true);
     return failures ? 1 : 0;
   }
   // the tiny models' shapes and every format: partial tiles, jobs of a few rows, 8-bit, dense
@@ -682,8 +721,10 @@ int main(int argc, char** argv) {
   gemv_case({{33, 8}, {1, 8}}, 256, true, false, false);
   gemv_case({{72, 0}}, 96, false, false, false);
   gemv_case({{2112, 4}}, 128, true, false, false);
-  experts_case(64, 64, 128, 8, 2, false);
-  experts_case(256, 64, 64, 32, 8, false);
+  for (const bool fused : {false, true}) {
+    experts_case(64, 64, 128, 8, 2, false, fused);
+    experts_case(256, 64, 64, 32, 8, false, fused);
+  }
   argmax_case(2112);
   // attention: G = 2 with rot/2 < 32 lanes; G = 8 at d 32 (a lane a dimension); positions in the first block,
   // across blocks, and one whose split's block has empty blocks after it
@@ -701,7 +742,8 @@ int main(int argc, char** argv) {
     gemv_case({{2048, 4}}, 4096, false, true, true);
     gemv_case({{256, 8}, {1, 8}}, 2048, true, false, true);
     gemv_case({{248320, 4}}, 2048, true, false, true);
-    experts_case(2048, 512, 512, 256, 8, true);
+    experts_case(2048, 512, 512, 256, 8, true, false);
+    experts_case(2048, 512, 512, 256, 8, true, true);
     argmax_case(248320);
     stream_case(248320, 2048);
     stream_case(12352, 2048);

@@ -44,7 +44,8 @@ struct Fusions {
   // Off: rmsnorm + one GEMV per matrix.
   bool norm_project = true;
   // Post-norm + router + shared-expert gate logits in one dispatch, the top-k inside the experts' gate/up GEMV
-  // (moe_norm_route). Off: rmsnorm, router logits, top-k, shared-gate logit as separate dispatches.
+  // (moe_norm_route; the CUDA backend computes the logits inside its experts' kernel too). Off: rmsnorm, router
+  // logits, top-k, shared-gate logit as separate dispatches.
   bool route = true;
   // q/k RMSNorm + RoPE + KV-row write inside the attention kernel (attn_prepare_decode). Off: attn_prepare first.
   bool attn_prepare = true;

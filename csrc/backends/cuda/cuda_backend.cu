@@ -129,6 +129,8 @@ class CudaBackend final : public Backend {
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
     attn_arrivals_ = device_alloc<unsigned>(c_.n_kv);
     CK(cudaMemset(attn_arrivals_, 0, c_.n_kv * sizeof(unsigned)));
+    moe_counts_ = device_alloc<unsigned>(3);
+    CK(cudaMemset(moe_counts_, 0, 3 * sizeof(unsigned)));
     CK(allow_decode_smem());
     pos_dev_ = device_alloc<int64_t>(1);
     sample_args_dev_ = device_alloc<SampleArgs>(1);
@@ -147,7 +149,7 @@ class CudaBackend final : public Backend {
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
                                                 route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
                                                 ybuf_, sy_, tokens_, tok_slots_, pos_dev_, argmax_slot_, sample_args_dev_,
-                                                seen_dev_, counts_dev_, attn_arrivals_})
+                                                seen_dev_, counts_dev_, attn_arrivals_, moe_counts_})
       cudaFree(p);
     cudaStreamDestroy(stream_);
   }
@@ -532,13 +534,11 @@ class CudaBackend final : public Backend {
     matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false);
   }
 
+  // Nothing is launched here: moe_decode's gate/up kernel computes the logits (and the norm) itself, a kernel
+  // boundary fewer (only moe_decode may follow, the op's contract).
   void moe_norm_route(int layer, const Vec& w) override {
     if (!op()) return;
-    const MoeWeights& M = m_.layers[layer].moe;
-    GemvJobs jobs;
-    add_job(jobs, M.router, router_);
-    add_job(jobs, M.shared_gate, shared_logit_);
-    gemv(jobs, act(Act::x), vec(w), act(Act::xn));
+    route_layer_ = layer, route_norm_ = vec(w);
   }
 
   void moe_prefill(int layer, int T) override {
@@ -564,18 +564,16 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
     const int H = c_.hidden;
-    const MoeDecode md{lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), lin(M.down),
-                       lin(M.shared_down), c_.top_k, c_.experts, imax_};
-    const DecodeGrid g = decode_grid(md.gate_up_tiles(), md.gate_up_stage_bytes(), md.gate_up_extra(H), slots_,
-                                     "the experts' gate/up");
-    launch_dependent(by_cols(H, [](auto U) { return moe_gate_up_kernel<decltype(U)::value>; }), g.blocks,
-                     kDecodeThreads, g.smem, md, act(Act::xn), H, router_, route_ids_, route_w_, hbuf_, g.stages,
-                     md.gate_up_stage_bytes());
-    const int tr = moe_down_tile_rows(H, sms_);
-    const DecodeGrid d = decode_grid((H + tr - 1) / tr, md.down_stage_bytes(tr), md.down_extra(), slots_,
-                                     "the experts' down");
-    launch_dependent(moe_down_kernel, d.blocks, kDecodeThreads, d.smem, md, hbuf_, shared_logit_, route_ids_, route_w_,
-                     act(Act::x), tr, d.stages, md.down_stage_bytes(tr));
+    MoeDecode md{lin(M.gate), lin(M.up), lin(M.shared_gate_proj), lin(M.shared_up), lin(M.down),
+                 lin(M.shared_down), c_.top_k, c_.experts, imax_};
+    const bool route = route_layer_ == layer;  // moe_norm_route left the route to this op
+    route_layer_ = -1;
+    if (route) md.router = lin(M.router), md.shared_router = lin(M.shared_gate);
+    const MoeGrid g = moe_decode_grid(md, H, slots_, sms_);
+    launch_resident(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks,
+                     kDecodeThreads, g.smem, md, act(route ? Act::x : Act::xn), act(Act::x), H,
+                     route ? route_norm_ : nullptr, c_.rms_eps, router_, shared_logit_, moe_counts_, route_ids_,
+                     route_w_, hbuf_, g.stages, md.gate_up_stage_bytes(), g.ring_bytes, g.down_rows);
   }
 
   // ---------------------------------------------------------------- token selection
@@ -812,7 +810,12 @@ class CudaBackend final : public Backend {
   // it drains, instead of a launch latency and a memory latency after it. Kept in the decode graph.
   template <class... P, class... A>
   void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    CK(cuda::launch_dependent(stream_, kernel, grid, block, smem, args...));
+    CK(cuda::launch_dependent(stream_, false, kernel, grid, block, smem, args...));
+  }
+  // moe_decode_kernel's blocks wait on each other: all resident at once
+  template <class... P, class... A>
+  void launch_resident(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    CK(cuda::launch_dependent(stream_, true, kernel, grid, block, smem, args...));
   }
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {
@@ -877,6 +880,9 @@ class CudaBackend final : public Backend {
   std::deque<Unread> unread_;
   ArgmaxSlot* argmax_slot_ = nullptr;
   unsigned* attn_arrivals_ = nullptr;  // attention_decode_kernel's blocks done a KV head (0 between launches)
+  unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [3] (0 between launches)
+  int route_layer_ = -1;               // the layer whose moe_decode takes the route (moe_norm_route)
+  const float* route_norm_ = nullptr;  // and its post-attention norm
   int64_t* pos_dev_ = nullptr;
   CudaState* s_ = nullptr;
   Phase phase_ = Phase::prefill;

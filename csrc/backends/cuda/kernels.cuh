@@ -45,25 +45,21 @@ __device__ __forceinline__ float load_param(const uint8_t* p, int dt, int i) {
 __device__ __forceinline__ void start_next_kernel() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void wait_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// A launch whose kernel may start while the one before it in `stream` drains (the host side of the above).
+// A launch whose kernel may start while the one before it in `stream` drains (the host side of the above);
+// `resident`: all its blocks resident at once, or none (a cooperative launch), for a kernel whose blocks wait
+// on each other — also against another such kernel of another stream holding part of the GPU.
 template <class... P, class... A>
-cudaError_t launch_dependent(cudaStream_t stream, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-                             A... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+cudaError_t launch_dependent(cudaStream_t stream, bool resident, void (*kernel)(P...), dim3 grid, dim3 block,
+                             size_t smem, A... args) {
+  cudaLaunchAttribute attr[2]{};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeCooperative;
+  attr[1].val.cooperative = 1;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
-  cfg.attrs = &attr, cfg.numAttrs = 1;
+  cfg.attrs = attr, cfg.numAttrs = resident ? 2 : 1;
   return cudaLaunchKernelEx(&cfg, kernel, P(args)...);
-}
-
-// The 16-byte-aligned part of [p, p + bytes) into L2 (a hint: one bulk request, no registers held).
-__device__ __forceinline__ void prefetch_l2(const void* p, uint64_t bytes) {
-  const uint64_t a = (reinterpret_cast<uint64_t>(p) + 15) & ~uint64_t(15);
-  const uint64_t b = (reinterpret_cast<uint64_t>(p) + bytes) & ~uint64_t(15);
-  if (b > a)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(uint32_t(b - a)) : "memory");
 }
 
 __device__ __forceinline__ void unpack_bf16x8(uint4 q, float* v) {
@@ -72,6 +68,24 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 q, float* v) {
   for (int i = 0; i < 4; ++i) {
     v[2 * i] = __uint_as_float(w[i] << 16);
     v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// Eight dense weights as floats: bf16 or f16 from the 16 bytes a, f32 from the 32 bytes a, b.
+__device__ __forceinline__ void dense8(uint4 a, uint4 b, int wdt, float (&w)[8]) {
+  if (wdt == kF32) {
+    const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = __uint_as_float(u[i]);
+  } else if (wdt == kBF16) {
+    unpack_bf16x8(a, w);
+  } else {
+    const uint32_t u[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[i]));
+      w[2 * i] = f.x, w[2 * i + 1] = f.y;
+    }
   }
 }
 
@@ -104,36 +118,18 @@ __device__ __forceinline__ void dequant32(const LinDev& W, int e, int r, int c0,
     }
     return;
   }
-  if (W.wdt == kBF16) {
-    const uint4* p = reinterpret_cast<const uint4*>(row + 2 * c0);
+  const int size = W.wdt == kF32 ? 4 : 2;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) unpack_bf16x8(p[i], v + 8 * i);
-  } else if (W.wdt == kF32) {
-    const float4* p = reinterpret_cast<const float4*>(row + 4 * c0);
+  for (int k = 0; k < 32; k += 8) {
+    const uint4* p = reinterpret_cast<const uint4*>(row + size * (c0 + k));
+    float w[8];
+    dense8(p[0], size == 4 ? p[1] : uint4{}, W.wdt, w);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float4 f = p[i];
-      v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
-    }
-  } else {
-    const __half* p = reinterpret_cast<const __half*>(row + 2 * c0);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) v[i] = __half2float(p[i]);
+    for (int i = 0; i < 8; ++i) v[k + i] = w[i];
   }
 }
 
 constexpr int kMaxTopK = 32;
-
-// Rows [r0, r1) of expert e (codes, scales and biases: each a contiguous range) into L2.
-__device__ __forceinline__ void prefetch_rows(const LinDev& W, int e, int r0, int r1) {
-  if (r1 <= r0) return;
-  prefetch_l2(W.w + uint64_t(e) * W.w_expert + uint64_t(r0) * W.w_row, uint64_t(r1 - r0) * W.w_row);
-  if (W.bits) {
-    const uint64_t off = uint64_t(e) * W.s_expert + uint64_t(r0) * W.s_row, n = uint64_t(r1 - r0) * W.s_row;
-    prefetch_l2(W.s + off, n);
-    prefetch_l2(W.b + off, n);
-  }
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -189,25 +185,22 @@ __device__ __forceinline__ void load_chunk(const float* xs, int c0, float* v) {
 
 // n floats (a multiple of 4, 16-byte aligned) from global into shared memory, padded as above, each thread's
 // float4 loads issued together (a loop of dependent load/store pairs costs a memory latency per element the
-// thread copies); returns this thread's sum of squares of what it copied.
-__device__ __forceinline__ float stage(const float* src, int n, float* dst) {
+// thread copies), through L2: what it reads may be other blocks' writes of the same kernel.
+__device__ __forceinline__ void stage(const float* src, int n, float* dst) {
   constexpr int kBatch = 8;
-  float ss = 0.f;
   for (int base = threadIdx.x * 4; base < n; base += blockDim.x * 4 * kBatch) {
     float4 v[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int i = base + b * blockDim.x * 4;
-      v[b] = i < n ? *reinterpret_cast<const float4*>(src + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[b] = i < n ? __ldcg(reinterpret_cast<const float4*>(src + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int i = base + b * blockDim.x * 4;
       if (i < n) *reinterpret_cast<float4*>(dst + padded(i)) = v[b];
-      ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
     }
   }
-  return ss;
 }
 
 // ---------------------------------------------------------------- decode: weights streamed through shared memory
@@ -288,7 +281,7 @@ __device__ __forceinline__ int dp2a_hi(int a, uint32_t b, int c) {
 // A chunk of x as dp2a wants it: word i of the codes covers columns 8i…8i+7, its even columns' codes as the
 // bytes of one register and its odd columns' as another, so q[4i…4i+3] pair the columns (0, 2), (4, 6),
 // (1, 3), (5, 7) of those eight; d the chunk's step, sum its Σ x (for the groups' biases).
-struct QChunk {
+struct alignas(16) QChunk {  // (16-aligned: a staged row's chunks load as five 128-bit words)
   int q[16];
   float d, sum;
   __device__ __forceinline__ void quantise(const float* v) {
@@ -395,25 +388,10 @@ __device__ __forceinline__ float dense_chunk_dot(const LinDev& W, const TileRow&
   float acc = 0.f;
 #pragma unroll
   for (int k = 0; k < 32; k += 8) {
+    const int size = W.wdt == kF32 ? 4 : 2;
+    const uint32_t at = R.w + size * (c0 + k);
     float w[8], v[8];
-    if (W.wdt == kF32) {
-      const uint4 a = lds128(R.w + 4 * (c0 + k)), b = lds128(R.w + 4 * (c0 + k) + 16);
-      const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = __uint_as_float(u[i]);
-    } else {
-      const uint4 a = lds128(R.w + 2 * (c0 + k));
-      if (W.wdt == kBF16) {
-        unpack_bf16x8(a, w);
-      } else {
-        const uint32_t u[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[i]));
-          w[2 * i] = f.x, w[2 * i + 1] = f.y;
-        }
-      }
-    }
+    dense8(lds128(at), size == 4 ? lds128(at + 16) : uint4{}, W.wdt, w);
     x8(k, v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc = fmaf(w[i], v[i], acc);
@@ -423,14 +401,8 @@ __device__ __forceinline__ float dense_chunk_dot(const LinDev& W, const TileRow&
 
 // ---------------------------------------------------------------- a decode block's input row
 
-// A 32-column chunk of the staged row, quantised (QChunk), as shared memory holds it: 16-byte aligned, so a lane
-// takes it in four 128-bit loads and one 64-bit.
-struct alignas(16) StagedChunk {
-  int q[16];
-  float d, sum, pad_[2];
-};
 __host__ __device__ constexpr uint32_t staged_chunks_bytes(int cols) {
-  return uint32_t((cols + 31) / 32) * uint32_t(sizeof(StagedChunk));
+  return uint32_t((cols + 31) / 32) * uint32_t(sizeof(QChunk));
 }
 
 // This thread's chunk of the norm weights (columns 32·thread …), read before the kernel waits on the one before
@@ -454,7 +426,7 @@ constexpr int kDecodeRowMax = 32 * kDecodeThreads;  // columns of a decode kerne
 // (cuda_h200_gemv_timeline.txt). A chunk is quantised before the norm's 1/rms is known, which then scales its
 // step and sum only (round(v / d) is the same for v·s and d·s). Ends on a barrier.
 __device__ __forceinline__ void stage_row(const float* x, int cols, const float* norm, const NormChunk& nc,
-                                          float eps, float* xs, StagedChunk* qx, float* scratch32) {
+                                          float eps, float* xs, QChunk* qx, float* scratch32) {
   const int c0 = int(threadIdx.x) * 32;
   const bool mine = c0 < cols;
   float v[32];
@@ -478,10 +450,8 @@ __device__ __forceinline__ void stage_row(const float* x, int cols, const float*
     for (int i = 0; i < 8; ++i)
       *reinterpret_cast<float4*>(xs + padded(c0) + 4 * i) =
           make_float4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
-    StagedChunk& out = qx[threadIdx.x];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) out.q[i] = q.q[i];
-    out.d = q.d * inv, out.sum = q.sum * inv;
+    q.d *= inv, q.sum *= inv;
+    qx[threadIdx.x] = q;
   }
   __syncthreads();
 }
@@ -493,18 +463,13 @@ struct LaneX {
   static constexpr bool kHeld = U <= 4;
   QChunk c[kHeld ? U : 1];
   const float* xs;
-  __device__ __forceinline__ void load(const float* staged, const StagedChunk* qx, int cols) {
+  __device__ __forceinline__ void load(const float* staged, const QChunk* qx, int cols) {
     xs = staged;
     if constexpr (kHeld) {
       const int lane = threadIdx.x & 31;
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (lane * 32 + 1024 * u < cols) {
-          const StagedChunk& s = qx[lane + 32 * u];
-#pragma unroll
-          for (int i = 0; i < 16; ++i) c[u].q[i] = s.q[i];
-          c[u].d = s.d, c[u].sum = s.sum;
-        }
+        if (lane * 32 + 1024 * u < cols) c[u] = qx[lane + 32 * u];
     }
   }
   template <class F>
@@ -656,7 +621,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(GemvJobs jobs, 
   nc.load(norm, cols);
   wait_previous_kernel();
   float* xs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
-  StagedChunk* qx = reinterpret_cast<StagedChunk*>(xs + padded_floats(cols));
+  QChunk* qx = reinterpret_cast<QChunk*>(xs + padded_floats(cols));
   stage_row(x, cols, norm, nc, eps, xs, qx, scratch);  // its barrier also publishes the ring's initialisation
   if (xn_out && blockIdx.x == 0)
     for (int c = threadIdx.x; c < cols; c += blockDim.x) xn_out[c] = xs[padded(c)];
@@ -774,11 +739,24 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
 constexpr int kMaxGroup = 8;        // query heads per KV head a warp serves (16 / 2 in the real model)
 constexpr int kDecodeSplits = 128;  // KV splits of a decode row per KV head (fixed: the step graph's grid)
 constexpr int kAttnWarps = 8;       // splits (warps) a block of attention_decode_kernel
-constexpr int kAttnBlocks = kDecodeSplits / kAttnWarps;  // its blocks a KV head: the partials a query head leaves
+constexpr int kAttnBlocks = 16;     // attention_decode_kernel's blocks a KV head at most: the partials a head leaves
 
 // Keys a split takes of the causal range [0, n): split s holds [s·len, (s + 1)·len) ∩ [0, n), so key n - 1
 // lies in split (n - 1) / len and the splits after it are empty.
 __device__ __forceinline__ int64_t split_len(int64_t n) { return (n + kDecodeSplits - 1) / kDecodeSplits; }
+
+// A lane's PL consecutive bf16 of a cache row in one load (PL · 2 bytes: the rows are d · 2 bytes, 16-aligned).
+template <int PL>
+struct KvLanes {
+  using Raw = std::conditional_t<PL == 8, uint4, std::conditional_t<PL == 4, uint2, std::conditional_t<PL == 2, uint32_t, uint16_t>>>;
+  Raw raw;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) { raw = *reinterpret_cast<const Raw*>(p); }
+  __device__ __forceinline__ void unpack(float (&f)[PL]) const {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < PL; ++i) f[i] = __uint_as_float(uint32_t(h[i]) << 16);
+  }
+};
 
 // One warp's split of a decode row: the group's G query heads q [G, D] (normed and rotated, unscaled; global or
 // shared memory) against rows [s0, s1) of one KV head's cache (Kh, Vh), lane owning dimensions
@@ -803,31 +781,38 @@ __device__ __forceinline__ void attend_split(const float* q_in, int G, const __n
     }
   }
   Kh += lane * PL, Vh += lane * PL;
-  // keys in batches of kBatch, every load of a batch issued before its first use
+  // Keys in batches of kBatch, every load of a batch issued before its first use. Every head of the group is
+  // computed (q is zero past G: no branch on G), so the heads' chains interleave: their dot products, then each
+  // level of the warp sums for all heads at once (five shuffle latencies a key, not 5·G), then the updates.
   constexpr int kBatch = 4;
   for (int64_t sb = s0; sb < s1; sb += kBatch) {
-    float kv[kBatch][PL], vv[kBatch][PL];
+    KvLanes<PL> kr[kBatch], vr[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t s = sb + b < s1 ? sb + b : s1 - 1;
-#pragma unroll
-      for (int i = 0; i < PL; ++i)
-        kv[b][i] = __bfloat162float(Kh[s * D + i]), vv[b][i] = __bfloat162float(Vh[s * D + i]);
+      kr[b].load(Kh + s * D), vr[b].load(Vh + s * D);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (sb + b >= s1) break;
+      float kv[PL], vv[PL], dot[kMaxGroup];
+      kr[b].unpack(kv), vr[b].unpack(vv);
 #pragma unroll
       for (int g = 0; g < kMaxGroup; ++g) {
-        if (g >= G) break;
-        float dot = 0.f;
+        dot[g] = 0.f;
 #pragma unroll
-        for (int i = 0; i < PL; ++i) dot = fmaf(q[g][i], kv[b][i], dot);
-        dot = warp_sum(dot);
-        const float mn = fmaxf(m[g], dot), corr = expf(m[g] - mn), p = expf(dot - mn);
+        for (int i = 0; i < PL; ++i) dot[g] = fmaf(q[g][i], kv[i], dot[g]);
+      }
+#pragma unroll
+      for (int lanes = 16; lanes; lanes >>= 1)
+#pragma unroll
+        for (int g = 0; g < kMaxGroup; ++g) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], lanes);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        const float mn = fmaxf(m[g], dot[g]), corr = expf(m[g] - mn), p = expf(dot[g] - mn);
         l[g] = l[g] * corr + p;
 #pragma unroll
-        for (int i = 0; i < PL; ++i) o[g][i] = fmaf(o[g][i], corr, p * vv[b][i]);
+        for (int i = 0; i < PL; ++i) o[g][i] = fmaf(o[g][i], corr, p * vv[i]);
         m[g] = mn;
       }
     }
@@ -936,12 +921,22 @@ __global__ void attention_combine_kernel(const float* part, int d, const float* 
 
 // Decode's attention for the row at pos in one kernel (Fusions::attn_prepare): attn_prepare_kernel's,
 // attention_kernel's and attention_combine_kernel's work, two kernel boundaries fewer. Grid (kAttnBlocks, n_kv) of
-// kAttnWarps warps, warp w of block b taking split b·kAttnWarps + w of its KV head's keys. Every block normalises
-// and rotates the group's G query heads into shared memory; the one whose splits hold key pos also writes that
-// row's k and v to the cache, where its split reads them back (after the block's barrier) as bf16 like every
-// other key. Each block merges its warps' splits into one partial per query head (part [n_q, kAttnBlocks]); the
-// last block of a KV head to arrive (arrivals[kvh] counts them) merges the group's partials into mix and sets the
-// count back to 0 for the next launch.
+// kAttnWarps warps; a row of n = pos + 1 keys uses the first attn_blocks_used(n) blocks of its KV head, warp w of
+// block b taking split b·kAttnWarps + w. Every block used normalises and rotates the group's G query heads into
+// shared memory; the one whose splits hold key pos also writes that row's k and v to the cache, where its split
+// reads them back (after the block's barrier) as bf16 like every other key. Each block merges its warps' splits
+// per query head: where it is the only block, straight into mix, gated; otherwise into its partial of the head
+// (part [n_q, blocks]), and the last block of the KV head to arrive (arrivals[kvh] counts them) merges the
+// partials into mix and sets the count back to 0 for the next launch. At short contexts one block a KV head
+// saves the merge across blocks, ~10 µs of the ~21 a layer took at position 127 with 16 blocks always
+// (the stamp timeline of attention_decode_kernel, docs/performance.md).
+constexpr int kAttnKeysPerWarp = 16;  // keys a warp takes before the row spreads over another block
+constexpr int kAttnMergeHeads = 4;    // query heads a round of the in-block merge (8 warps · 4 · d floats)
+__host__ __device__ constexpr int attn_blocks_used(int64_t n) {
+  return (n + kAttnWarps * kAttnKeysPerWarp - 1) / (kAttnWarps * kAttnKeysPerWarp) < kAttnBlocks
+             ? int((n + kAttnWarps * kAttnKeysPerWarp - 1) / (kAttnWarps * kAttnKeysPerWarp))
+             : kAttnBlocks;
+}
 template <int D>
 __global__ void __launch_bounds__(kAttnWarps * 32, 1)
     attention_decode_kernel(const float* q_gate, const float* k, const float* v, const float* q_norm,
@@ -949,14 +944,18 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 1)
                             const int64_t* pos_dev, int n_q, int n_kv, int rot, float theta, float eps, float* part,
                             unsigned* arrivals, float* mix) {
   constexpr int PL = D / 32;
-  __shared__ float qs[kMaxGroup * D], krow[D], wo[kAttnWarps][D];
+  __shared__ float qs[kMaxGroup * D], krow[D], wo[kAttnWarps][kAttnMergeHeads * D];
   __shared__ float wm[kAttnWarps][kMaxGroup], wl[kAttnWarps][kMaxGroup];  // the warps' m, l
+  __shared__ float hm[kMaxGroup], hl[kMaxGroup];                         // the block's, a head
   __shared__ float merge[kMaxGroup * (kAttnBlocks + 1) + kAttnWarps * 32];  // merge_partials' wt, po
   __shared__ bool last;
   start_next_kernel();
   wait_previous_kernel();
   const int b = blockIdx.x, kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = n_q / n_kv;
-  const int64_t pos = *pos_dev, len = split_len(pos + 1);
+  const int64_t pos = *pos_dev, n = pos + 1;
+  const int nb = attn_blocks_used(n);
+  if (b >= nb) return;
+  const int64_t len = (n + int64_t(nb) * kAttnWarps - 1) / (int64_t(nb) * kAttnWarps);
   const bool holds_pos = pos / len / kAttnWarps == b;
   for (int r = warp; r < G + int(holds_pos); r += kAttnWarps) {
     if (r < G) {
@@ -967,48 +966,63 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 1)
     }
   }
   __syncthreads();  // publishes qs, and the new cache row to the warp whose split holds it
-  const int64_t s0 = int64_t(b * kAttnWarps + warp) * len, s1 = s0 + len < pos + 1 ? s0 + len : pos + 1;
+  const int64_t s0 = int64_t(b * kAttnWarps + warp) * len, s1 = s0 + len < n ? s0 + len : n;
   float o[kMaxGroup][PL], m[kMaxGroup], l[kMaxGroup];
   attend_split<D>(qs, G, Kc + int64_t(kvh) * cap * D, Vc + int64_t(kvh) * cap * D, s0, s1, o, m, l);
   if (lane == 0)
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) wm[warp][g] = m[g], wl[warp][g] = l[g];
   __syncthreads();
-  // the block's splits merged per query head, into its partial of that head
-#pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    if (g >= G) break;
-    float mx = -INFINITY;
+  // each head's maximum and sum over the block's splits; each warp's output rescaled to its head's maximum
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float mx = -INFINITY, sum = 0.f;
     for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, wm[w][g]);
-    const float own = m[g] == -INFINITY ? 0.f : expf(m[g] - mx);
+    for (int w = 0; w < kAttnWarps; ++w)
+      if (wm[w][g] != -INFINITY) sum = fmaf(expf(wm[w][g] - mx), wl[w][g], sum);
+    hm[g] = mx, hl[g] = sum;
+  }
+  const float* gate = q_gate + int64_t(2 * kvh * G + 1) * D;  // head g's gate at gate + 2·g·D
 #pragma unroll
-    for (int i = 0; i < PL; ++i) wo[warp][i * 32 + lane] = o[g][i] * own;  // lane-major: no bank conflicts
-    __syncthreads();
-    float* pg = part + (int64_t(kvh * G + g) * kAttnBlocks + b) * (D + 2);
-    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+  for (int r = 0; r < kMaxGroup / kAttnMergeHeads; ++r) {
+    if (r * kAttnMergeHeads >= G) break;
+#pragma unroll
+    for (int j = 0; j < kAttnMergeHeads; ++j) {
+      const int g = r * kAttnMergeHeads + j;
+      float mx = -INFINITY;
+      for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, wm[w][g]);
+      const float own = m[g] == -INFINITY ? 0.f : expf(m[g] - mx);
+#pragma unroll
+      for (int i = 0; i < PL; ++i) wo[warp][j * D + i * 32 + lane] = o[g][i] * own;  // lane-major: no conflicts
+    }
+    __syncthreads();  // wo (and, the first time, hm and hl)
+    for (int c = threadIdx.x; c < kAttnMergeHeads * D; c += blockDim.x) {
+      const int g = r * kAttnMergeHeads + c / D, cd = c % D, dim = (cd % 32) * PL + cd / 32;  // wo's lane-major order
+      if (g >= G) break;
       float sum = 0.f;
       for (int w = 0; w < kAttnWarps; ++w) sum += wo[w][c];
-      pg[2 + (c % 32) * PL + c / 32] = sum;  // wo's c is lane c % 32's dimension c / 32
+      if (nb == 1) {
+        mix[int64_t(kvh * G + g) * D + dim] = sum / hl[g] * sigmoidf_(gate[int64_t(2 * g) * D + dim]);
+      } else {
+        float* pg = part + (int64_t(kvh * G + g) * nb + b) * (D + 2);
+        pg[2 + dim] = sum;
+        if (cd == 0) pg[0] = hm[g], pg[1] = hl[g];
+      }
     }
-    if (threadIdx.x == 0) {
-      float sum = 0.f;
-      for (int w = 0; w < kAttnWarps; ++w)
-        if (wm[w][g] != -INFINITY) sum = fmaf(expf(wm[w][g] - mx), wl[w][g], sum);
-      pg[0] = mx, pg[1] = sum;
-    }
-    __syncthreads();  // wo is the next head's
+    __syncthreads();  // wo is the next round's
   }
+  if (nb == 1) return;
   if (threadIdx.x == 0) {
     __threadfence();  // the block's partials (its threads', ordered before by the barrier) before its arrival
-    last = atomicAdd(arrivals + kvh, 1u) == kAttnBlocks - 1;
+    last = atomicAdd(arrivals + kvh, 1u) == unsigned(nb) - 1;
     if (last) __threadfence();  // every arrival's partials before the reads below
   }
   __syncthreads();
   if (!last) return;
-  merge_partials<kMaxGroup * D / (kAttnWarps * 32)>(part + int64_t(kvh) * G * kAttnBlocks * (D + 2), G, kAttnBlocks,
-                                                    D, q_gate + int64_t(2 * kvh * G) * D, mix + int64_t(kvh) * G * D,
+  merge_partials<kMaxGroup * D / (kAttnWarps * 32)>(part + int64_t(kvh) * G * nb * (D + 2), G, nb, D,
+                                                    q_gate + int64_t(2 * kvh * G) * D, mix + int64_t(kvh) * G * D,
                                                     merge, merge + kMaxGroup * (kAttnBlocks + 1));
-  if (threadIdx.x == 0) arrivals[kvh] = 0;  // every block of this launch has added its arrival
+  if (threadIdx.x == 0) arrivals[kvh] = 0;  // every block used by this launch has added its arrival
 }
 
 // ---------------------------------------------------------------- Gated DeltaNet
@@ -1182,7 +1196,7 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
   return (uint64_t(ordered) << 32) | uint32_t(~uint32_t(i));
 }
 __device__ __forceinline__ void block_topk(const float* logits, float* l, int E, int K, int* ids, float* weights) {
-  for (int e = threadIdx.x; e < E; e += blockDim.x) l[e] = logits[e];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) l[e] = __ldcg(logits + e);  // (other blocks' writes)
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -1255,192 +1269,269 @@ __global__ void moe_combine_kernel(float* x, const float* Y, const float* SY, co
   }
 }
 
-// Decode's experts. The routed experts' tiles depend on the route (the top-k of the router logits, which every
-// block recomputes: cheaper than a kernel of its own between the router GEMV and this one); the shared
-// expert's do not, so its tiles head the list and go out before the wait. Tiles: tile_rows rows of gate and
-// the same rows of up, one slot each (slot K: the shared expert); tiles [0, shared_tiles) are the shared
-// expert's, then K · routed_tiles. h_s ← SiLU(gate_e · xn) ⊙ (up_e · xn) for e = ids[s] (s < K). Block 0
-// stores the route for moe_down_kernel, and every block prefetches a share of each slot's down projection
-// into L2 for it.
+// Decode's experts in one kernel: the route (optionally), gate/up and down.
+//
+// Gate/up: tiles of kTileRows rows of gate and the same rows of up, one slot each (slot K: the shared expert);
+// h_s ← SiLU(gate_e · xn) ⊙ (up_e · xn) for e = ids[s] (s < K), into h (global: every block's down tile reads
+// all of it). The routed experts' tiles depend on the route (the top-k of the router logits, which every block
+// takes itself); the shared expert's do not, so they go out before the wait.
+// The route, when fused in (router set: CudaBackend::moe_norm_route leaves it to this kernel): the tile list
+// starts with route_tiles() — the router's rows and the shared expert's gate row over RMSNorm(x)·norm, which
+// every block stages itself — computed first by the blocks holding them (their tiles go out before the wait)
+// and counted done in counts[0]; a block takes the route once every route tile is counted. Unfused, the
+// logits are the kernel before's.
+// Down: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r], in tiles of down_rows
+// output rows of all K + 1 slots' down projections (the routed slots' parts slot_bytes apart, the shared
+// expert's last), each block's copied once it has the route; a block counts itself done with gate/up in
+// counts[1] and starts on its down tile once every block is. A thread owns (slot, 32-column chunk) pairs,
+// holding the pair's h while it walks the tile's rows, and the block sums each row's pairs.
+// Each of these waits ends: no block waits before counting what it contributes, and every block of the grid is
+// resident before the next kernel can start (each lets it start first thing). The last block past its waits
+// (counts[2]) sets the counts back to 0. The router's GEMV and the down projection as kernels of their own cost a
+// decode step ~14 and ~8 µs a layer (the step with and without each, docs/performance.md).
 struct MoeDecode {
   LinDev gate, up, sgate, sup, down, sdown;
-  int K, E, ldh;  // ldh: h's row stride, the wider of the two experts' widths
+  int K, E, ldh;                // ldh: h's row stride, the wider of the two experts' widths
+  LinDev router, shared_router;  // when the route is fused in: the router [E, H] and the shared gate [1, H]
   static constexpr int kTileRows = 8;  // gate/up tiles: a row a warp
+  __host__ __device__ int route_tiles() const { return router.rows ? (router.rows + kTileRows - 1) / kTileRows + 1 : 0; }
   __host__ __device__ int shared_tiles() const { return (sgate.rows + kTileRows - 1) / kTileRows; }
   __host__ __device__ int routed_tiles() const { return (gate.rows + kTileRows - 1) / kTileRows; }
-  __host__ __device__ int gate_up_tiles() const { return shared_tiles() + K * routed_tiles(); }
+  __host__ __device__ int gate_up_tiles() const { return route_tiles() + shared_tiles() + K * routed_tiles(); }
   __host__ __device__ uint32_t gate_up_stage_bytes() const {
     const uint32_t routed = tile_bytes(gate, kTileRows) + tile_bytes(up, kTileRows);
     const uint32_t shared = tile_bytes(sgate, kTileRows) + tile_bytes(sup, kTileRows);
-    return routed > shared ? routed : shared;
+    const uint32_t r = router.rows ? tile_bytes(router, kTileRows) : 0u, sr = router.rows ? tile_bytes(shared_router, 1) : 0u;
+    const uint32_t route = r > sr ? r : sr, expert = routed > shared ? routed : shared;
+    return expert > route ? expert : route;
   }
-  // the staged xn (floats and quantised chunks) and the router logits
-  __host__ __device__ uint32_t gate_up_extra(int H) const {
-    return (padded_floats(H) + E) * sizeof(float) + staged_chunks_bytes(H);
+  __host__ __device__ uint32_t down_slot_bytes(int rows) const { return tile_bytes(down, rows); }
+  __host__ __device__ uint32_t down_tile_bytes(int rows) const { return K * tile_bytes(down, rows) + tile_bytes(sdown, rows); }
+  __host__ __device__ uint32_t h_bytes() const { return padded_floats((K + 1) * ldh) * sizeof(float); }
+  // beside the gate/up ring (which h reuses): a down tile, the staged xn (floats and quantised chunks), the
+  // router logits for the top-k
+  __host__ __device__ uint32_t extra_bytes(int H, int down_rows) const {
+    return down_tile_bytes(down_rows) + (padded_floats(H) + E) * sizeof(float) + staged_chunks_bytes(H);
   }
-  __host__ __device__ uint32_t down_stage_bytes(int tr) const { return K * tile_bytes(down, tr) + tile_bytes(sdown, tr); }
-  // the staged h, the route's weights and ids
-  __host__ __device__ uint32_t down_extra() const { return (padded_floats((K + 1) * ldh) + 2 * K) * sizeof(float); }
 };
 
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+constexpr int kDownTileRows = 16;
+
+// Rows [r0, r0 + n) of a down tile (at `tile`) · the staged h, weighted, added into x.
+__device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t* tile, uint32_t slot_bytes, int r0,
+                                              int n, const float* hs, const float* ws, float shared_w,
+                                              float (&partial)[kDecodeWarps][kDownTileRows], float* x) {
+  // pairs: the routed slots' chunks (down.cols / 32 each), then the shared expert's (sdown.cols / 32)
+  const int K = m.K, chunks = m.down.cols / 32, pairs = K * chunks + m.sdown.cols / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float acc[kDownTileRows];
+#pragma unroll
+  for (int r = 0; r < kDownTileRows; ++r) acc[r] = 0.f;
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int j = min(p / chunks, K), c0 = (p - j * chunks) * 32;
+    const LinDev& D = j < K ? m.down : m.sdown;
+    const SmemTile T(D, tile + j * slot_bytes, n);
+    float hv[32];
+    load_chunk(hs, j * m.ldh + c0, hv);
+    QChunk hq;
+    hq.quantise(hv);
+    const float wj = j < K ? ws[j] : shared_w;
+    auto walk = [&](auto&& dot) {  // the tile's rows, the format's branch taken once a pair
+#pragma unroll
+      for (int r = 0; r < kDownTileRows; ++r) {
+        if (r >= n) break;
+        acc[r] = fmaf(wj, dot(T.row(r)), acc[r]);
+      }
+    };
+    if (Q4BF16::holds(D))
+      walk([&](const TileRow& row) { return chunk_dot<Q4BF16>(D, row, c0, hq); });
+    else if (D.bits)
+      walk([&](const TileRow& row) { return chunk_dot(D, row, c0, hq); });
+    else
+      walk([&](const TileRow& row) {
+        return dense_chunk_dot(D, row, c0, [&](int k, float (&v)[8]) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = hv[k + i];
+        });
+      });
+  }
+#pragma unroll
+  for (int r = 0; r < kDownTileRows; ++r) {
+    const float v = warp_sum(acc[r]);
+    if (lane == 0) partial[warp][r] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < n) {
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < kDecodeWarps; ++q) s += partial[q][threadIdx.x];
+    x[r0 + threadIdx.x] += s;
+  }
+  __syncthreads();  // partial is the next tile's
+}
+
+// xin: the row gate/up reads — RMSNorm'd by norm when the route is fused in (xin is then x), else xn as is (norm
+// null). x: the residual the down projection adds into. logits / shared_logit: the router's and the shared
+// gate's, this kernel's output when the route is fused in, else its input. ids / weights: the route (block 0).
+// counts [3]: 0 between launches. Shared memory: [ring_bytes: the gate/up ring, then h][a down tile][the
+// staged row][E floats].
 template <int U>
-__global__ void __launch_bounds__(kDecodeThreads, 2) moe_gate_up_kernel(MoeDecode m, const float* xn, int H,
-                                                                         const float* router, int32_t* ids,
-                                                                         float* weights, float* h, int stages,
-                                                                         uint32_t stage_bytes) {
-  extern __shared__ __align__(16) uint8_t smem[];  // tiles, then the staged xn, then E floats for the top-k
-  __shared__ uint64_t full[kMaxStages];
+__global__ void __launch_bounds__(kDecodeThreads, 2)
+    moe_decode_kernel(MoeDecode m, const float* xin, float* x, int H, const float* norm, float eps, float* logits,
+                      float* shared_logit, unsigned* counts, int32_t* ids, float* weights, float* h, int stages,
+                      uint32_t stage_bytes, uint32_t ring_bytes, int down_rows) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ uint64_t full[kMaxStages], down_full;
   __shared__ int route[kMaxTopK];
   __shared__ float route_w[kMaxTopK];
+  __shared__ float scratch[32];
+  __shared__ float partial[kDecodeWarps][kDownTileRows];
   start_next_kernel();
-  const int TR = MoeDecode::kTileRows, tiles = m.gate_up_tiles(), shared_tiles = m.shared_tiles();
-  const TileRing ring{smem, stage_bytes, stages, (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x),
-                      full};
-  // tile i → (slot, first row); f(gate, up, expert, slot, r0, n)
-  auto with_tile = [&](int i, auto&& f) {
+  const int TR = MoeDecode::kTileRows, K = m.K, route_tiles = m.route_tiles(), shared_tiles = m.shared_tiles();
+  const int unrouted = route_tiles + shared_tiles, tiles = m.gate_up_tiles(), G = int(gridDim.x);
+  const TileRing ring{smem, stage_bytes, stages, (tiles - int(blockIdx.x) + G - 1) / G, full};
+  uint8_t* dtile = smem + ring_bytes;
+  const int down_tiles = (m.down.rows + down_rows - 1) / down_rows;
+  const int my_down = (down_tiles - int(blockIdx.x) + G - 1) / G;  // this block's: blockIdx.x + k·G
+  const uint32_t slot_bytes = m.down_slot_bytes(down_rows);
+  auto routed = [&](int i) { return ring.tile(i) >= unrouted; };
+  // a route tile i → f(W, out, first row, rows)
+  auto with_route_tile = [&](int i, auto&& f) {
     const int t = ring.tile(i);
+    if (t < route_tiles - 1) f(m.router, logits, t * TR, min(TR, m.router.rows - t * TR));
+    else f(m.shared_router, shared_logit, 0, 1);
+  };
+  // an expert tile i → f(gate, up, expert, slot, first row, rows)
+  auto with_tile = [&](int i, auto&& f) {
+    const int t = ring.tile(i) - route_tiles;
     if (t < shared_tiles) {
-      f(m.sgate, m.sup, 0, m.K, t * TR, min(TR, m.sgate.rows - t * TR));
+      f(m.sgate, m.sup, 0, K, t * TR, min(TR, m.sgate.rows - t * TR));
     } else {
       const int slot = (t - shared_tiles) / m.routed_tiles(), r0 = (t - shared_tiles) % m.routed_tiles() * TR;
       f(m.gate, m.up, route[slot], slot, r0, min(TR, m.gate.rows - r0));
     }
   };
   auto issue = [&](int i) {
-    with_tile(i, [&](const LinDev& G, const LinDev& Up, int e, int, int r0, int n) {
-      const uint32_t gb = tile_bytes(G, n);
+    if (ring.tile(i) < route_tiles) {
+      with_route_tile(i, [&](const LinDev& W, float*, int r0, int n) {
+        mbar_arm(ring.bar(i), tile_bytes(W, n));
+        tile_load(W, 0, r0, n, ring.stage(i), ring.bar(i));
+      });
+      return;
+    }
+    with_tile(i, [&](const LinDev& Gw, const LinDev& Up, int e, int, int r0, int n) {
+      const uint32_t gb = tile_bytes(Gw, n);
       mbar_arm(ring.bar(i), gb + tile_bytes(Up, n));
-      tile_load(G, e, r0, n, ring.stage(i), ring.bar(i));
+      tile_load(Gw, e, r0, n, ring.stage(i), ring.bar(i));
       tile_load(Up, e, r0, n, ring.stage(i) + gb, ring.bar(i));
     });
   };
-  const int first = min(stages, ring.count);
-  int issued = 0;  // kIssuer's count of tiles issued
+  auto issue_down = [&](int k) {  // this block's k-th down tile: all K + 1 slots' rows
+    const int r0 = (int(blockIdx.x) + k * G) * down_rows, n = min(down_rows, m.down.rows - r0);
+    mbar_arm(&down_full, K * tile_bytes(m.down, n) + tile_bytes(m.sdown, n));
+    for (int j = 0; j <= K; ++j)
+      tile_load(j < K ? m.down : m.sdown, j < K ? route[j] : 0, r0, n, dtile + j * slot_bytes, &down_full);
+  };
+  // kIssuer's count of tiles issued: tile j goes out once tile j - stages is consumed and, if routed, the
+  // route is known
+  int issued = 0;
+  auto issue_until = [&](int end, bool have_route) {
+    if (threadIdx.x != kIssuer) return;
+    end = min(end, ring.count);
+    while (issued < end && (have_route || !routed(issued))) issue(issued++);
+  };
   if (threadIdx.x == kIssuer) {
-    ring.init();
-    while (issued < first && ring.tile(issued) < shared_tiles) issue(issued++);  // before the wait
+    for (int s = 0; s < stages; ++s) mbar_init(full + s);
+    mbar_init(&down_full);
+    mbar_init_fence();
   }
+  issue_until(stages, false);  // before the wait: weights are no kernel's output
+  NormChunk nc;
+  nc.load(norm, H);
   wait_previous_kernel();
-  float* xs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
-  StagedChunk* qx = reinterpret_cast<StagedChunk*>(xs + padded_floats(H));
-  // the route first: the routed tiles wait on it, the staging does not (its barriers publish the ring)
-  block_topk(router, reinterpret_cast<float*>(qx + (H + 31) / 32), m.E, m.K, route, route_w);
-  if (threadIdx.x == kIssuer)
-    while (issued < first) issue(issued++);
-  stage_row(xn, H, nullptr, NormChunk{}, 0.f, xs, qx, nullptr);
-  if (blockIdx.x == 0 && threadIdx.x < m.K) ids[threadIdx.x] = route[threadIdx.x], weights[threadIdx.x] = route_w[threadIdx.x];
-  if (threadIdx.x <= m.K) {  // this block's share of slot threadIdx.x's down projection (H rows) into L2
-    const int per = (m.down.rows + gridDim.x - 1) / gridDim.x, r0 = blockIdx.x * per;
-    if (threadIdx.x == m.K) prefetch_rows(m.sdown, 0, r0, min(r0 + per, m.sdown.rows));
-    else prefetch_rows(m.down, route[threadIdx.x], r0, min(r0 + per, m.down.rows));
-  }
+  float* xs = reinterpret_cast<float*>(dtile + m.down_tile_bytes(down_rows));
+  QChunk* qx = reinterpret_cast<QChunk*>(xs + padded_floats(H));
+  float* topk_row = reinterpret_cast<float*>(qx + (H + 31) / 32);
+  bool have_route = false;
+  // the route; the tiles it makes issuable from gate/up tile i on, and the first down tile
+  auto take_route = [&](int i) {
+    if (route_tiles && threadIdx.x == 0)
+      while (ld_acquire(counts) < unsigned(route_tiles)) __nanosleep(32);
+    __syncthreads();  // (also publishes the barriers' initialisation)
+    block_topk(logits, topk_row, m.E, K, route, route_w);
+    have_route = true;
+    issue_until(i + stages, true);
+    if (threadIdx.x == kIssuer && my_down) issue_down(0);
+    if (blockIdx.x == 0 && threadIdx.x < K) ids[threadIdx.x] = route[threadIdx.x], weights[threadIdx.x] = route_w[threadIdx.x];
+  };
+  if (!route_tiles) take_route(0);  // the logits are the kernel before's: the routed tiles go out before the staging
+  stage_row(xin, H, norm, nc, eps, xs, qx, scratch);
   LaneX<U> xl;
   xl.load(xs, qx, H);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = 0; i < ring.count; ++i) {
+    if (!have_route && routed(i)) take_route(i);
     ring.wait(i);
-    with_tile(i, [&](const LinDev& G, const LinDev& Up, int, int slot, int r0, int n) {
-      for (int r = warp; r < n; r += kDecodeWarps) {
-        float g[1], u[1];
-        tile_rows_dot<U, 1>(G, ring.stage(i), n, {r}, xl, g);
-        tile_rows_dot<U, 1>(Up, ring.stage(i) + tile_bytes(G, n), n, {r}, xl, u);
-        g[0] = warp_sum(g[0]), u[0] = warp_sum(u[0]);
-        if (lane == 0) h[slot * m.ldh + r0 + r] = siluf_(g[0]) * u[0];
-      }
-    });
-    ring.refill(i, issue);
-  }
-}
-
-// Decode: x[r] += Σ_j w_j · (down_{ids[j]} · h_j)[r] + σ(sg) · (shared_down · h_K)[r]. A tile: tile_rows (≤ 16)
-// output rows of all K + 1 slots' down projections (already in L2: moe_gate_up_kernel prefetched them), the
-// routed slots' parts slot_bytes apart, the shared expert's last. A thread owns (slot, 32-column chunk) pairs,
-// holding the pair's h while it walks the tile's rows, and the block sums each row's pairs.
-constexpr int kDownTileRows = 16;
-__global__ void __launch_bounds__(kDecodeThreads, 2) moe_down_kernel(MoeDecode m, const float* h, const float* sg,
-                                                                      const int32_t* ids, const float* w, float* x,
-                                                                      int tile_rows, int stages,
-                                                                      uint32_t stage_bytes) {
-  extern __shared__ __align__(16) uint8_t smem[];  // tiles, then h (padded), then the K weights and expert ids
-  __shared__ uint64_t full[kMaxStages];
-  __shared__ float partial[kDecodeWarps][kDownTileRows];
-  start_next_kernel();
-  const int K = m.K, TR = tile_rows, tiles = (m.down.rows + TR - 1) / TR;
-  const TileRing ring{smem, stage_bytes, stages, (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x),
-                      full};
-  float* hs = reinterpret_cast<float*>(smem + size_t(stages) * stage_bytes);
-  float* ws = hs + padded_floats((K + 1) * m.ldh);
-  int* es = reinterpret_cast<int*>(ws + K);
-  const uint32_t slot_bytes = tile_bytes(m.down, TR);
-  auto rows_of = [&](int i) { return min(TR, m.down.rows - ring.tile(i) * TR); };
-  auto issue = [&](int i) {
-    const int n = rows_of(i), r0 = ring.tile(i) * TR;
-    mbar_arm(ring.bar(i), K * tile_bytes(m.down, n) + tile_bytes(m.sdown, n));
-    for (int j = 0; j <= K; ++j)
-      tile_load(j < K ? m.down : m.sdown, j < K ? es[j] : 0, r0, n, ring.stage(i) + j * slot_bytes, ring.bar(i));
-  };
-  if (threadIdx.x == kIssuer) ring.init();
-  wait_previous_kernel();
-  if (threadIdx.x < K) ws[threadIdx.x] = w[threadIdx.x], es[threadIdx.x] = ids[threadIdx.x];
-  __syncthreads();
-  if (threadIdx.x == kIssuer)
-    for (int i = 0; i < min(stages, ring.count); ++i) issue(i);
-  stage(h, (K + 1) * m.ldh, hs);
-  __syncthreads();
-  const float shared_w = sigmoidf_(*sg);
-  // pairs: the routed slots' chunks (down.cols / 32 each), then the shared expert's (sdown.cols / 32)
-  const int chunks = m.down.cols / 32, pairs = K * chunks + m.sdown.cols / 32;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int i = 0; i < ring.count; ++i) {
-    ring.wait(i);
-    const int n = rows_of(i), r0 = ring.tile(i) * TR;
-    float acc[kDownTileRows];
-#pragma unroll
-    for (int r = 0; r < kDownTileRows; ++r) acc[r] = 0.f;
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-      const int j = min(p / chunks, K), c0 = (p - j * chunks) * 32;
-      const LinDev& D = j < K ? m.down : m.sdown;
-      const uint8_t* tile = ring.stage(i) + j * slot_bytes;
-      const SmemTile T(D, tile, n);
-      float hv[32];
-      load_chunk(hs, j * m.ldh + c0, hv);
-      QChunk hq;
-      hq.quantise(hv);
-      const float wj = j < K ? ws[j] : shared_w;
-      auto walk = [&](auto&& dot) {  // the tile's rows, the format's branch taken once a pair
-#pragma unroll
-        for (int r = 0; r < kDownTileRows; ++r) {
-          if (r >= n) break;
-          acc[r] = fmaf(wj, dot(T.row(r)), acc[r]);
+    if (ring.tile(i) < route_tiles) {
+      with_route_tile(i, [&](const LinDev& W, float* out, int r0, int n) {
+        for (int r = warp; r < n; r += kDecodeWarps) {
+          float v[1];
+          tile_rows_dot<U, 1>(W, ring.stage(i), n, {r}, xl, v);
+          v[0] = warp_sum(v[0]);
+          if (lane == 0) out[r0 + r] = v[0];
         }
-      };
-      if (Q4BF16::holds(D))
-        walk([&](const TileRow& row) { return chunk_dot<Q4BF16>(D, row, c0, hq); });
-      else if (D.bits)
-        walk([&](const TileRow& row) { return chunk_dot(D, row, c0, hq); });
-      else
-        walk([&](const TileRow& row) {
-          return dense_chunk_dot(D, row, c0, [&](int k, float (&v)[8]) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = hv[k + i];
-          });
-        });
+      });
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();  // the tile's logits (the block's, ordered before by the barrier) before its count
+        atomicAdd(counts, 1u);
+      }
+    } else {
+      with_tile(i, [&](const LinDev& Gw, const LinDev& Up, int, int slot, int r0, int n) {
+        for (int r = warp; r < n; r += kDecodeWarps) {
+          float g[1], u[1];
+          tile_rows_dot<U, 1>(Gw, ring.stage(i), n, {r}, xl, g);
+          tile_rows_dot<U, 1>(Up, ring.stage(i) + tile_bytes(Gw, n), n, {r}, xl, u);
+          g[0] = warp_sum(g[0]), u[0] = warp_sum(u[0]);
+          if (lane == 0) h[slot * m.ldh + r0 + r] = siluf_(g[0]) * u[0];
+        }
+      });
     }
-#pragma unroll
-    for (int r = 0; r < kDownTileRows; ++r) {
-      const float v = warp_sum(acc[r]);
-      if (lane == 0) partial[warp][r] = v;
+    if (i + stages < ring.count) {  // every warp done with tile i's stage: the next tile into it
+      __syncthreads();
+      issue_until(i + 1 + stages, have_route);
     }
-    __syncthreads();
-    if (threadIdx.x < n) {
-      float s = 0.f;
-#pragma unroll
-      for (int q = 0; q < kDecodeWarps; ++q) s += partial[q][threadIdx.x];
-      x[r0 + threadIdx.x] += s;
-    }
-    __syncthreads();  // partial is rewritten by the next tile, and the stage refilled
-    ring.refill(i, issue);
   }
+  if (!have_route) take_route(ring.count);  // a block of route and shared tiles only: its down tile needs it
+  // gate/up done here; down once every block is
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // the block's h rows before its count
+    atomicAdd(counts + 1, 1u);
+    if (my_down)
+      while (ld_acquire(counts + 1) < unsigned(G)) __nanosleep(32);
+  }
+  __syncthreads();
+  if (my_down) {
+    float* hs = reinterpret_cast<float*>(smem);  // the ring's memory: every gate/up tile is consumed
+    stage(h, (K + 1) * m.ldh, hs);
+    const float shared_w = sigmoidf_(__ldcg(shared_logit));
+    __syncthreads();
+    for (int k = 0; k < my_down; ++k) {
+      mbar_wait(&down_full, k & 1);
+      const int r0 = (int(blockIdx.x) + k * G) * down_rows;
+      down_tile_dot(m, dtile, slot_bytes, r0, min(down_rows, m.down.rows - r0), hs, route_w, shared_w, partial, x);
+      if (k + 1 < my_down && threadIdx.x == kIssuer) issue_down(k + 1);  // (down_tile_dot ends on a barrier)
+    }
+  }
+  if (threadIdx.x == 0 && atomicAdd(counts + 2, 1u) == unsigned(G) - 1)  // every block is past its waits
+    counts[0] = counts[1] = counts[2] = 0;
 }
 
 // ---------------------------------------------------------------- the decode kernels' launch geometry (host)
@@ -1494,6 +1585,22 @@ inline uint32_t plan_gemv(GemvJobs& jobs, int slots) {
 
 // The experts' down tiles: 16 output rows where that still gives every SM a tile, else 8.
 inline int moe_down_tile_rows(int H, int sms) { return H / kDownTileRows >= sms ? kDownTileRows : 8; }
+
+// moe_decode_kernel's grid: its blocks and gate/up stages as decode_grid gives them with a down tile and the
+// staged row beside the ring, the ring at least h's size (h reuses it).
+struct MoeGrid {
+  int blocks, stages, down_rows;
+  uint32_t ring_bytes;
+  size_t smem;
+};
+inline MoeGrid moe_decode_grid(const MoeDecode& md, int H, int slots, int sms) {
+  const int down_rows = moe_down_tile_rows(H, sms);
+  const uint32_t extra = md.extra_bytes(H, down_rows), stage = md.gate_up_stage_bytes();
+  DecodeGrid g = decode_grid(md.gate_up_tiles(), stage, extra, slots, "the experts");
+  if (g.stages * stage < md.h_bytes()) g = decode_grid(md.gate_up_tiles(), stage, extra + md.h_bytes(), slots, "the experts");
+  const uint32_t ring = std::max<uint32_t>(g.stages * stage, md.h_bytes());
+  return {g.blocks, g.stages, down_rows, ring, size_t(ring) + extra};
+}
 
 // The decode kernels' shared memory beyond the default 48 KB (once, before their first launch).
 inline cudaError_t allow_decode_smem();
@@ -1562,8 +1669,8 @@ inline cudaError_t allow_decode_smem() {
       e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem));
   };
   allow(gemv_kernel<1>), allow(gemv_kernel<2>), allow(gemv_kernel<4>), allow(gemv_kernel<8>);
-  allow(moe_gate_up_kernel<1>), allow(moe_gate_up_kernel<2>), allow(moe_gate_up_kernel<4>);
-  allow(moe_gate_up_kernel<8>), allow(moe_down_kernel);
+  allow(moe_decode_kernel<1>), allow(moe_decode_kernel<2>), allow(moe_decode_kernel<4>);
+  allow(moe_decode_kernel<8>);
   return e;
 }
 
