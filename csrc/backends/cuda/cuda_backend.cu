@@ -534,7 +534,7 @@ class CudaBackend final : public Backend {
     matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false);
   }
 
-  // Nothing is launched here: moe_decode's gate/up kernel computes the logits (and the norm) itself, a kernel
+  // Nothing is launched here: moe_decode's experts kernel computes the norm and the logits itself, a kernel
   // boundary fewer (only moe_decode may follow, the op's contract).
   void moe_norm_route(int layer, const Vec& w) override {
     if (!op()) return;

@@ -933,9 +933,8 @@ __global__ void attention_combine_kernel(const float* part, int d, const float* 
 constexpr int kAttnKeysPerWarp = 16;  // keys a warp takes before the row spreads over another block
 constexpr int kAttnMergeHeads = 4;    // query heads a round of the in-block merge (8 warps · 4 · d floats)
 __host__ __device__ constexpr int attn_blocks_used(int64_t n) {
-  return (n + kAttnWarps * kAttnKeysPerWarp - 1) / (kAttnWarps * kAttnKeysPerWarp) < kAttnBlocks
-             ? int((n + kAttnWarps * kAttnKeysPerWarp - 1) / (kAttnWarps * kAttnKeysPerWarp))
-             : kAttnBlocks;
+  const int64_t blocks = (n + kAttnWarps * kAttnKeysPerWarp - 1) / (kAttnWarps * kAttnKeysPerWarp);
+  return blocks < kAttnBlocks ? int(blocks) : kAttnBlocks;
 }
 template <int D>
 __global__ void __launch_bounds__(kAttnWarps * 32, 1)
@@ -1305,7 +1304,6 @@ struct MoeDecode {
     const uint32_t route = r > sr ? r : sr, expert = routed > shared ? routed : shared;
     return expert > route ? expert : route;
   }
-  __host__ __device__ uint32_t down_slot_bytes(int rows) const { return tile_bytes(down, rows); }
   __host__ __device__ uint32_t down_tile_bytes(int rows) const { return K * tile_bytes(down, rows) + tile_bytes(sdown, rows); }
   __host__ __device__ uint32_t h_bytes() const { return padded_floats((K + 1) * ldh) * sizeof(float); }
   // beside the gate/up ring (which h reuses): a down tile, the staged xn (floats and quantised chunks), the
@@ -1399,7 +1397,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   uint8_t* dtile = smem + ring_bytes;
   const int down_tiles = (m.down.rows + down_rows - 1) / down_rows;
   const int my_down = (down_tiles - int(blockIdx.x) + G - 1) / G;  // this block's: blockIdx.x + k·G
-  const uint32_t slot_bytes = m.down_slot_bytes(down_rows);
+  const uint32_t slot_bytes = tile_bytes(m.down, down_rows);  // a routed slot's part of a down tile
   auto routed = [&](int i) { return ring.tile(i) >= unrouted; };
   // a route tile i → f(W, out, first row, rows)
   auto with_route_tile = [&](int i, auto&& f) {
@@ -1434,7 +1432,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   };
   auto issue_down = [&](int k) {  // this block's k-th down tile: all K + 1 slots' rows
     const int r0 = (int(blockIdx.x) + k * G) * down_rows, n = min(down_rows, m.down.rows - r0);
-    mbar_arm(&down_full, K * tile_bytes(m.down, n) + tile_bytes(m.sdown, n));
+    mbar_arm(&down_full, m.down_tile_bytes(n));
     for (int j = 0; j <= K; ++j)
       tile_load(j < K ? m.down : m.sdown, j < K ? route[j] : 0, r0, n, dtile + j * slot_bytes, &down_full);
   };
@@ -1447,9 +1445,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
     while (issued < end && (have_route || !routed(issued))) issue(issued++);
   };
   if (threadIdx.x == kIssuer) {
-    for (int s = 0; s < stages; ++s) mbar_init(full + s);
     mbar_init(&down_full);
-    mbar_init_fence();
+    ring.init();  // (its fence covers down_full too)
   }
   issue_until(stages, false);  // before the wait: weights are no kernel's output
   NormChunk nc;
