@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <unordered_map>
 
+#include "attention_decode.cuh"
 #include "flash_attention.cuh"
 #include "gdn_chunked.cuh"
 #include "gemm.cuh"
@@ -127,11 +128,10 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t& e : done_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     argmax_slot_ = device_alloc<ArgmaxSlot>(1);
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
-    attn_arrivals_ = device_alloc<unsigned>(c_.n_kv);
-    CK(cudaMemset(attn_arrivals_, 0, c_.n_kv * sizeof(unsigned)));
     moe_counts_ = device_alloc<unsigned>(3);
     CK(cudaMemset(moe_counts_, 0, 3 * sizeof(unsigned)));
     CK(allow_decode_smem());
+    CK(allow_attention_decode_smem());
     pos_dev_ = device_alloc<int64_t>(1);
     sample_args_dev_ = device_alloc<SampleArgs>(1);
     seen_dev_ = device_alloc<uint8_t>(c_.vocab);
@@ -149,7 +149,7 @@ class CudaBackend final : public Backend {
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
                                                 route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
                                                 ybuf_, sy_, tokens_, tok_slots_, pos_dev_, argmax_slot_, sample_args_dev_,
-                                                seen_dev_, counts_dev_, attn_arrivals_, moe_counts_})
+                                                seen_dev_, counts_dev_, moe_counts_})
       cudaFree(p);
     cudaStreamDestroy(stream_);
   }
@@ -446,30 +446,32 @@ class CudaBackend final : public Backend {
     });
   }
 
-  // Split-KV attention for the one row, then the splits merged and gated.
+  // Split-KV attention for the one row (attention_decode.cuh), then the splits merged and gated.
   void attn_decode(int layer, int64_t pos) override {
     check_pos(pos);
     if (!op()) return;
+    split_attention<false>(layer, qbuf_);
+  }
+
+  // The same with the q/k preparation inside the split kernel: no qbuf, one kernel boundary fewer.
+  void attn_prepare_decode(int layer, int64_t pos) override {
+    check_pos(pos);
+    if (!op()) return;
+    split_attention<true>(layer, act(Act::q_gate));
+  }
+
+  template <bool Prepare>
+  void split_attention(int layer, const float* q_in) {
+    const AttentionWeights& A = m_.layers[layer].attn;
     by_head_dim(c_.head_dim, [&](auto D) {
-      launch_dependent(attention_kernel<D()>, (c_.n_kv * kDecodeSplits + 3) / 4, 128, 0, qbuf_, s_->k[layer],
-                       s_->v[layer], s_->capacity, c_.n_q, c_.n_kv, pos_dev_, attn_part_);
+      launch_dependent(attention_kernel<D(), Prepare>, c_.n_kv * kDecodeSplits / kAttnWarps, kAttnWarps * 32,
+                       attn_smem_bytes<D()>(), q_in, act(Act::k), act(Act::v), vec(A.q_norm), vec(A.k_norm),
+                       s_->k[layer], s_->v[layer], s_->capacity, pos_dev_, c_.n_q, c_.n_kv, c_.rotary_dim,
+                       c_.rope_theta, c_.rms_eps, attn_part_);
     });
     launch_dependent(attention_combine_kernel, c_.n_q, 4 * c_.head_dim,
                      (kDecodeSplits + 1 + 4 * c_.head_dim) * sizeof(float), attn_part_, c_.head_dim,
                      act(Act::q_gate), act(Act::mix));
-  }
-
-  // The same in one kernel (attention_decode_kernel): no qbuf, and no kernel boundaries between the three steps.
-  void attn_prepare_decode(int layer, int64_t pos) override {
-    check_pos(pos);
-    if (!op()) return;
-    const AttentionWeights& A = m_.layers[layer].attn;
-    by_head_dim(c_.head_dim, [&](auto D) {
-      launch_dependent(attention_decode_kernel<D()>, dim3(kAttnBlocks, c_.n_kv), kAttnWarps * 32, 0,
-                       act(Act::q_gate), act(Act::k), act(Act::v), vec(A.q_norm), vec(A.k_norm), s_->k[layer],
-                       s_->v[layer], s_->capacity, pos_dev_, c_.n_q, c_.n_kv, c_.rotary_dim, c_.rope_theta, c_.rms_eps,
-                       attn_part_, attn_arrivals_, act(Act::mix));
-    });
   }
 
   // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence in chunks of
@@ -879,7 +881,6 @@ class CudaBackend final : public Backend {
   cudaEvent_t done_[kDone] = {};
   std::deque<Unread> unread_;
   ArgmaxSlot* argmax_slot_ = nullptr;
-  unsigned* attn_arrivals_ = nullptr;  // attention_decode_kernel's blocks done a KV head (0 between launches)
   unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [3] (0 between launches)
   int route_layer_ = -1;               // the layer whose moe_decode takes the route (moe_norm_route)
   const float* route_norm_ = nullptr;  // and its post-attention norm

@@ -43,6 +43,14 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// An 8×8 b16 matrix transposed within the warp: lane l holds (l / 4, 2·(l % 4) + {0, 1}) of it in and of its
+// transpose out (an accumulator's rows, packed to bf16, become a B fragment's columns).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+  return d;
+}
+
 // Two floats as bf16 in one register, `lo` at the lower address (the lower column of a fragment pair).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
