@@ -28,7 +28,7 @@ template <int D>
 __host__ __device__ constexpr int attn_pitch() {
   return D + 8;
 }
-// A block's dynamic shared memory: each warp's kAttnStages tiles of K and V (reused by the block's merge).
+// A block's dynamic shared memory: each warp's kAttnStages tiles of K and V.
 template <int D>
 __host__ __device__ constexpr uint32_t attn_smem_bytes() {
   return kAttnWarps * kAttnStages * 2 * kAttnTileKeys * attn_pitch<D>() * 2;
