@@ -27,11 +27,11 @@ cudaStream_t stream;
 
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-  CK(launch_dependent(stream, false, kernel, grid, block, smem, args...));
+  CK(launch_dependent(stream, {}, kernel, grid, block, smem, args...));
 }
 template <class... P, class... A>
 void launch_resident(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-  CK(launch_dependent(stream, true, kernel, grid, block, smem, args...));
+  CK(launch_dependent(stream, {true}, kernel, grid, block, smem, args...));
 }
 
 // Median microseconds of one `body()` (which issues `per` launches into `stream`), captured as a graph.
@@ -446,7 +446,7 @@ struct AttnDev {
     K = reinterpret_cast<__nv_bfloat16*>(upload(a.K)), V = reinterpret_cast<__nv_bfloat16*>(upload(a.V));
     pos = upload(std::vector<int64_t>{a.pos});
     CK(cudaMalloc(&qbuf, size_t(s.n_q) * s.d * 4));
-    CK(cudaMalloc(&part, size_t(s.n_q) * kDecodeSplits * (s.d + 2) * 4));
+    CK(cudaMalloc(&part, attention_part_floats(s.n_q, s.d) * 4));
     CK(cudaMalloc(&mix, size_t(s.n_q) * s.d * 4));
   }
   ~AttnDev() {
@@ -468,7 +468,7 @@ void launch_attn(const AttnShape& s, int64_t cap, const AttnDev& b, bool fused) 
            (const float*)b.v, (const float*)b.q_norm, (const float*)b.k_norm, b.K, b.V, cap, (const int64_t*)b.pos,
            s.n_q, s.n_kv, s.rot, kRopeTheta, kRmsEps, b.part);
   });
-  launch(attention_combine_kernel, s.n_q, 4 * s.d, (kDecodeSplits + 1 + 4 * s.d) * sizeof(float), b.part, s.d,
+  launch(attention_combine_kernel, attention_combine_grid(s.n_q, s.d), kCombineWarps * 32, 0, b.part, s.d,
          b.q_gate, b.mix);
 }
 

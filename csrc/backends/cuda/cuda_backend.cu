@@ -108,7 +108,7 @@ class CudaBackend final : public Backend {
     conv_out_ = device_alloc<float>(size_t(rows_) * c_.conv_dim());
     gdn_packs_ = device_alloc<float>(size_t((rows_ + kGdnChunk - 1) / kGdnChunk) * c_.lin_nv *
                                      gdn_pack_floats(c_.lin_dk, c_.lin_dv));
-    attn_part_ = device_alloc<float>(size_t(c_.n_q) * kDecodeSplits * (c_.head_dim + 2));
+    attn_part_ = device_alloc<float>(attention_part_floats(c_.n_q, c_.head_dim));
     router_ = device_alloc<float>(size_t(rows_) * E);
     shared_logit_ = device_alloc<float>(rows_);
     route_ids_ = device_alloc<int32_t>(TK);
@@ -469,9 +469,8 @@ class CudaBackend final : public Backend {
                        s_->k[layer], s_->v[layer], s_->capacity, pos_dev_, c_.n_q, c_.n_kv, c_.rotary_dim,
                        c_.rope_theta, c_.rms_eps, attn_part_);
     });
-    launch_dependent(attention_combine_kernel, c_.n_q, 4 * c_.head_dim,
-                     (kDecodeSplits + 1 + 4 * c_.head_dim) * sizeof(float), attn_part_, c_.head_dim,
-                     act(Act::q_gate), act(Act::mix));
+    launch_dependent(attention_combine_kernel, attention_combine_grid(c_.n_q, c_.head_dim), kCombineWarps * 32, 0,
+                     attn_part_, c_.head_dim, act(Act::q_gate), act(Act::mix));
   }
 
   // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence in chunks of
@@ -507,17 +506,18 @@ class CudaBackend final : public Backend {
                                                      dv, c_.rms_eps);
   }
 
-  // One row: the conv and everything after it in one kernel per value head (gdn_step_kernel).
+  // One row: the conv and everything after it in one kernel, a cluster of blocks a value head (gdn_step_kernel).
   void gdn_step(int layer) override {
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
     const int in = s_->cur, out = in ^ 1;
     auto step = [&](auto kernel) {
-      launch_dependent(kernel, c_.lin_nv, 2 * c_.lin_dv, c_.lin_dv * sizeof(float), act(Act::qkv),
-                       s_->conv[in][layer], s_->conv[out][layer], vec(G.conv), act(Act::beta), act(Act::alpha),
-                       act(Act::z), s_->rec[in][layer], s_->rec[out][layer], vec(G.A_log), vec(G.dt_bias),
-                       vec(G.norm), act(Act::mix), c_.conv_dim(), c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv,
-                       c_.rms_eps);
+      const int S = gdn_step_cluster(c_.lin_dv);
+      CK(cuda::launch_dependent(stream_, {false, S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv),
+                                s_->conv[in][layer], s_->conv[out][layer], vec(G.conv), act(Act::beta),
+                                act(Act::alpha), act(Act::z), s_->rec[in][layer], s_->rec[out][layer],
+                                vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
+                                c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps));
     };
     switch (c_.lin_dk) {
       case 32: step(gdn_step_kernel<32>); break;
@@ -686,9 +686,6 @@ class CudaBackend final : public Backend {
     need(c_.lin_dk == 32 || c_.lin_dk == 64 || c_.lin_dk == 128, "linear_key_head_dim " + std::to_string(c_.lin_dk));
     need(c_.lin_dv % 32 == 0 && c_.lin_dv <= 512, "linear_value_head_dim " + std::to_string(c_.lin_dv));
     need(c_.conv_kernel >= 1 && c_.conv_kernel <= 8, "linear_conv_kernel_dim " + std::to_string(c_.conv_kernel));
-    need(2 * c_.lin_dk + c_.lin_dv <= kGdnConvPerThread * 2 * c_.lin_dv,
-         "linear_key_head_dim " + std::to_string(c_.lin_dk) + " with linear_value_head_dim " +
-             std::to_string(c_.lin_dv) + " (a value head's block convolves 2·d_k + d_v channels on 2·d_v threads)");
     need(c_.top_k <= kMaxTopK && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
     need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));
   }
@@ -812,12 +809,12 @@ class CudaBackend final : public Backend {
   // it drains, instead of a launch latency and a memory latency after it. Kept in the decode graph.
   template <class... P, class... A>
   void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    CK(cuda::launch_dependent(stream_, false, kernel, grid, block, smem, args...));
+    CK(cuda::launch_dependent(stream_, {}, kernel, grid, block, smem, args...));
   }
   // moe_decode_kernel's blocks wait on each other: all resident at once
   template <class... P, class... A>
   void launch_resident(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    CK(cuda::launch_dependent(stream_, true, kernel, grid, block, smem, args...));
+    CK(cuda::launch_dependent(stream_, {true}, kernel, grid, block, smem, args...));
   }
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -14,6 +15,8 @@
 #include <type_traits>
 
 namespace lily::cuda {
+
+namespace cg = cooperative_groups;
 
 enum : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -45,20 +48,34 @@ __device__ __forceinline__ float load_param(const uint8_t* p, int dt, int i) {
 __device__ __forceinline__ void start_next_kernel() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void wait_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// A launch whose kernel may start while the one before it in `stream` drains (the host side of the above);
-// `resident`: all its blocks resident at once, or none (a cooperative launch), for a kernel whose blocks wait
-// on each other — also against another such kernel of another stream holding part of the GPU.
+// How a dependent launch places its blocks. resident: all of them at once, or none (a cooperative launch), for a
+// kernel whose blocks wait on each other — also against another such kernel of another stream holding part of
+// the GPU. cluster: blocks a thread block cluster (consecutive blocks, sharing distributed shared memory).
+struct Placement {
+  bool resident = false;
+  int cluster = 1;
+};
+
+// A launch whose kernel may start while the one before it in `stream` drains (the host side of the above).
 template <class... P, class... A>
-cudaError_t launch_dependent(cudaStream_t stream, bool resident, void (*kernel)(P...), dim3 grid, dim3 block,
+cudaError_t launch_dependent(cudaStream_t stream, Placement place, void (*kernel)(P...), dim3 grid, dim3 block,
                              size_t smem, A... args) {
-  cudaLaunchAttribute attr[2]{};
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  attr[1].id = cudaLaunchAttributeCooperative;
-  attr[1].val.cooperative = 1;
+  cudaLaunchAttribute attr[3]{};
+  int n = 0;
+  attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  if (place.resident) {
+    attr[n].id = cudaLaunchAttributeCooperative;
+    attr[n++].val.cooperative = 1;
+  }
+  if (place.cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(place.cluster), attr[n].val.clusterDim.y = attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = stream;
-  cfg.attrs = attr, cfg.numAttrs = resident ? 2 : 1;
+  cfg.attrs = attr, cfg.numAttrs = unsigned(n);
   return cudaLaunchKernelEx(&cfg, kernel, P(args)...);
 }
 
@@ -684,27 +701,60 @@ __global__ void rmsnorm_kernel(const float* in, int ldi, float* out, int ldo, co
 
 // ---------------------------------------------------------------- attention
 
-// RoPE(RMSNorm(x)·w) of one head row at position p into out[d] (global or shared memory), by one warp. The
-// rotation pairs dimensions f and f + rot/2, and one lane holds both, so it runs in place.
-__device__ __forceinline__ void norm_rope_row(const float* x, const float* w, float* out, int d, int64_t p, int rot,
-                                              float theta, float eps) {
+constexpr int kMaxHeadDim = 256;  // (by_head_dim's largest)
+constexpr int kRopeRows = 3;      // head rows one warp prepares at once: 8 query heads and a k row over 4 warps
+
+// Up to kRopeRows head rows for norm_rope_rows: each one's input, norm weights and output (global or shared).
+struct HeadRows {
+  const float* x[kRopeRows];
+  const float* w[kRopeRows];
+  float* out[kRopeRows];
+  int n = 0;
+  __device__ void add(const float* xr, const float* wr, float* o) { x[n] = xr, w[n] = wr, out[n] = o, ++n; }
+};
+
+// RoPE(RMSNorm(x)·w) of each row at position p (head dim d), by one warp. Every row's loads go out before the
+// first sum, so the rows cost one L2 round trip, not one each (the decode attention waits on these rows before
+// its first tile). The rotation pairs dimensions f and f + rot/2, one lane holding both, so it runs in place;
+// its frequencies θ^(−2f/rot) come from exp2f, not powf.
+__device__ __forceinline__ void norm_rope_rows(const HeadRows& rows, int d, int64_t p, int rot, float theta,
+                                               float eps) {
+  constexpr int V = kMaxHeadDim / 32;
   const int lane = threadIdx.x & 31;
-  float ss = 0.f;
-  for (int j = lane; j < d; j += 32) ss = fmaf(x[j], x[j], ss);
-  const float inv = rsqrtf(warp_sum(ss) / float(d) + eps);
-  for (int j = lane; j < d; j += 32) out[j] = x[j] * inv * w[j];
+  float v[kRopeRows][V];
+#pragma unroll
+  for (int r = 0; r < kRopeRows; ++r)
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[r][i] = r < rows.n && lane + 32 * i < d ? rows.x[r][lane + 32 * i] : 0.f;
+#pragma unroll
+  for (int r = 0; r < kRopeRows; ++r) {
+    if (r >= rows.n) break;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) ss = fmaf(v[r][i], v[r][i], ss);
+    const float inv = rsqrtf(warp_sum(ss) / float(d) + eps);
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (lane + 32 * i < d) rows.out[r][lane + 32 * i] = v[r][i] * inv * rows.w[r][lane + 32 * i];
+  }
   __syncwarp();
   const int half = rot / 2;
+  const float log2_theta = log2f(theta);
   for (int f = lane; f < half; f += 32) {
-    const float freq = 1.f / powf(theta, float(2 * f) / float(rot));
-    const float ang = float(p) * freq, c = cosf(ang), s = sinf(ang);
-    const float a = out[f], b = out[f + half];
-    out[f] = a * c - b * s, out[f + half] = b * c + a * s;
+    float s, c;
+    sincosf(float(p) * exp2f(float(-2 * f) / float(rot) * log2_theta), &s, &c);
+#pragma unroll
+    for (int r = 0; r < kRopeRows; ++r) {
+      if (r >= rows.n) break;
+      float* o = rows.out[r];
+      const float a = o[f], b = o[f + half];
+      o[f] = a * c - b * s, o[f + half] = b * c + a * s;
+    }
   }
   __syncwarp();
 }
 
-// A KV cache row (element offset `at`) ← k (as norm_rope_row left it) and v, both rounded to bf16, by one warp.
+// A KV cache row (element offset `at`) ← k (as norm_rope_rows left it) and v, both rounded to bf16, by one warp.
 __device__ __forceinline__ void store_kv_row(const float* k, const float* v, __nv_bfloat16* Kc, __nv_bfloat16* Vc,
                                              int64_t at, int d) {
   for (int j = threadIdx.x & 31; j < d; j += 32)
@@ -726,63 +776,78 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
   if (h >= n_q + n_kv) return;
   const int64_t p = *pos_dev + t;
   if (h < n_q) {
-    norm_rope_row(q_gate + (int64_t(t) * 2 * n_q + 2 * h) * d, q_norm, qbuf + (int64_t(t) * n_q + h) * d, d, p, rot,
-                  theta, eps);
+    HeadRows q;
+    q.add(q_gate + (int64_t(t) * 2 * n_q + 2 * h) * d, q_norm, qbuf + (int64_t(t) * n_q + h) * d);
+    norm_rope_rows(q, d, p, rot, theta, eps);
   } else {
     const int kvh = h - n_q;
     float* row = krows + warp * d;
-    norm_rope_row(k + (int64_t(t) * n_kv + kvh) * d, k_norm, row, d, p, rot, theta, eps);
+    HeadRows kr;
+    kr.add(k + (int64_t(t) * n_kv + kvh) * d, k_norm, row);
+    norm_rope_rows(kr, d, p, rot, theta, eps);
     store_kv_row(row, v + (int64_t(t) * n_kv + kvh) * d, Kc, Vc, (int64_t(kvh) * cap + p) * d, d);
   }
 }
 
 // ---------------------------------------------------------------- Gated DeltaNet
 
-// Decode's step (Fusions::gdn_step) of one value head h: the causal conv + SiLU of the channels it reads (its
-// key head's q and k, its own v), the q/k l2-norm, the gates, the delta-rule update and the gated RMSNorm, in
-// one block of 2·d_v threads; two threads per column j of the state S [d_k, d_v], each holding half the column
-// in registers (neighbouring lanes, their partial dot products added with one shuffle). The states are read
-// from one copy and written to the other (conv_in/rec_in → conv_out/rec_out: the backend keeps two, so a step
-// run ahead can be undone), which is also what lets the value heads sharing a key head each convolve its q/k
-// channels from the old conv state while one of them writes the new one.
-constexpr int kGdnConvPerThread = 4;  // conv channels a thread takes: 2·d_k + d_v ≤ 4 · 2·d_v (check_geometry)
+// Decode's step (Fusions::gdn_step): the causal conv + SiLU of the channels a value head reads (its key head's q
+// and k, its own v), the q/k l2-norm, the gates, the delta-rule update and the gated RMSNorm. A value head's
+// state S [d_k, d_v] is split by columns over a cluster of d_v / kGdnStepCols blocks: a block holds 32 columns
+// in registers, warp p rows [p·d_k/8, (p + 1)·d_k/8) of each (a warp's loads of a row are 128 contiguous bytes),
+// its partial dot products summed across warps in shared memory, and the gated norm's sum of squares across
+// the cluster through distributed shared memory. One block a head (d_v / 2 columns a thread pair) read and
+// wrote its 64 KB state through one SM: ~2 µs each way on the step's critical path, as 32 blocks on an H200
+// of 132 SMs. The states are read from one copy and written to the other (conv_in/rec_in → conv_out/rec_out:
+// the backend keeps two, so a step run ahead can be undone), which also lets the blocks sharing a key head
+// each convolve its q/k channels from the old conv state while one of them writes the new one.
+constexpr int kGdnStepCols = 32;                            // state columns a block: a warp's lanes
+constexpr int kGdnStepWarps = 8;                            // row parts a column
+constexpr int kGdnStepThreads = kGdnStepWarps * 32;
+constexpr int kGdnConvPerThread = 2;                        // conv channels a thread: 2·d_k + 32 ≤ 2 · 256
+__host__ __device__ constexpr int gdn_step_cluster(int dv) { return dv / kGdnStepCols; }  // blocks a value head
 template <int DK>
-__global__ void gdn_step_kernel(const float* qkv, const float* conv_in, float* conv_out, const float* taps,
-                                const float* beta_in, const float* alpha_in, const float* z, const float* rec_in,
-                                float* rec_out, const float* A_log, const float* dt_bias, const float* gnorm,
-                                float* mix, int C, int Kc, int nk, int nv, int dv, float eps) {
-  constexpr int HALF = DK / 2;
-  extern __shared__ float vs[];  // [d_v] this head's v after the conv
-  __shared__ float qs[DK], ks[DK], scratch[32];
-  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int j = threadIdx.x >> 1, i0 = (threadIdx.x & 1) * HALF;
-  const int per_key = nv / nk, kh = h / per_key, Kd = nk * DK, n_ch = 2 * DK + dv;
-  // channel slot c of this block: q of the key head, then its k, then this head's v
-  auto channel = [&](int c) { return c < DK ? kh * DK + c : c < 2 * DK ? Kd + kh * DK + c - DK : 2 * Kd + h * dv + c - 2 * DK; };
+__global__ void __launch_bounds__(kGdnStepThreads)
+    gdn_step_kernel(const float* qkv, const float* conv_in, float* conv_out, const float* taps, const float* beta_in,
+                    const float* alpha_in, const float* z, const float* rec_in, float* rec_out, const float* A_log,
+                    const float* dt_bias, const float* gnorm, float* mix, int C, int Kc, int nk, int nv, int dv,
+                    float eps) {
+  constexpr int R = DK / kGdnStepWarps, N_CH = 2 * DK + kGdnStepCols;
+  static_assert(N_CH <= kGdnConvPerThread * kGdnStepThreads, "a block's conv channels");
+  __shared__ float qs[DK], ks[DK], vs[kGdnStepCols], dots[2][kGdnStepWarps][kGdnStepCols], ss_ranks[16];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int S = gdn_step_cluster(dv), rank = int(cluster.block_rank()), h = blockIdx.x / S;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, j = rank * kGdnStepCols + lane, i0 = warp * R;
+  const int per_key = nv / nk, kh = h / per_key, Kd = nk * DK;
+  // channel slot c of this block: q of the key head, then its k, then v of this block's columns
+  auto channel = [&](int c) {
+    return c < DK ? kh * DK + c : c < 2 * DK ? Kd + kh * DK + c - DK : 2 * Kd + h * dv + rank * kGdnStepCols + c - 2 * DK;
+  };
   start_next_kernel();
   // what no kernel of the step writes, before the wait: the state (its copy in is only read), taps, gate params
-  float col[HALF];
+  float col[R];
+  const int64_t at = int64_t(h) * DK * dv + int64_t(i0) * dv + j;
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) col[i] = rec_in[int64_t(h) * DK * dv + (i0 + i) * dv + j];
+  for (int i = 0; i < R; ++i) col[i] = rec_in[at + int64_t(i) * dv];
   float win[kGdnConvPerThread][7];  // per channel: the k_c - 1 state inputs (k_c <= 8; constant indices only)
 #pragma unroll
   for (int n = 0; n < kGdnConvPerThread; ++n) {
-    const int c = threadIdx.x + n * blockDim.x;
+    const int c = threadIdx.x + n * kGdnStepThreads;
 #pragma unroll
     for (int t = 0; t < 7; ++t)
-      if (c < n_ch && t < Kc - 1) win[n][t] = conv_in[int64_t(t) * C + channel(c)];
+      if (c < N_CH && t < Kc - 1) win[n][t] = conv_in[int64_t(t) * C + channel(c)];
   }
   const float A = expf(A_log[h]), dtb = dt_bias[h], w = gnorm[j];
   wait_previous_kernel();
-  // the conv; q/k channels' new state written by the key head's first value head only
+  // the conv; q/k channels' new state written by the key head's first value head's first block only
 #pragma unroll
   for (int n = 0; n < kGdnConvPerThread; ++n) {
-    const int c = threadIdx.x + n * blockDim.x;
-    if (c >= n_ch) continue;
+    const int c = threadIdx.x + n * kGdnStepThreads;
+    if (c >= N_CH) continue;
     const int ch = channel(c);
     const float x = qkv[ch];
     float acc = taps[ch * Kc + Kc - 1] * x;
-    const bool writes = c >= 2 * DK || h % per_key == 0;
+    const bool writes = c >= 2 * DK || (h % per_key == 0 && rank == 0);
 #pragma unroll
     for (int t = 0; t < 7; ++t) {
       if (t >= Kc - 1) break;
@@ -804,27 +869,42 @@ __global__ void gdn_step_kernel(const float* qkv, const float* conv_in, float* c
     for (int i = lane; i < DK; i += 32) v[i] *= inv;
   }
   __syncthreads();
+  // a column's dot product: its warps' parts, summed through shared memory
+  auto column_sum = [&](int which, float part) {
+    dots[which][warp][lane] = part;
+    __syncthreads();
+    float sum = 0.f;
+#pragma unroll
+    for (int p = 0; p < kGdnStepWarps; ++p) sum += dots[which][p][lane];
+    return sum;
+  };
   const float beta = sigmoidf_(beta_in[h]);
   const float alpha = expf(-A * softplusf_(alpha_in[h] + dtb));
   float mk = 0.f;
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) {
+  for (int i = 0; i < R; ++i) {
     col[i] *= alpha;
     mk = fmaf(col[i], ks[i0 + i], mk);
   }
-  mk += __shfl_xor_sync(0xffffffffu, mk, 1);
-  const float delta = beta * (vs[j] - mk);
+  const float delta = beta * (vs[lane] - column_sum(0, mk));
   float o = 0.f;
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) {
+  for (int i = 0; i < R; ++i) {
     col[i] = fmaf(ks[i0 + i], delta, col[i]);
     o = fmaf(col[i], qs[i0 + i], o);
   }
-  o += __shfl_xor_sync(0xffffffffu, o, 1);
-  const float inv = rsqrtf(block_sum(i0 ? 0.f : o * o, scratch) / float(dv) + eps);
-  if (!i0) mix[h * dv + j] = o * inv * w * siluf_(z[h * dv + j]);
+  o = column_sum(1, o);
+  // the gated norm's Σ o² over the head's d_v columns: each block's into every block of the cluster
+  if (warp == 0) {
+    const float ss = warp_sum(o * o);
+    if (lane < S) cluster.map_shared_rank(ss_ranks, lane)[rank] = ss;
+  }
+  cluster.sync();
+  float ss = 0.f;
+  for (int q = 0; q < S; ++q) ss += ss_ranks[q];
+  if (warp == 0) mix[h * dv + j] = o * rsqrtf(ss / float(dv) + eps) * w * siluf_(z[h * dv + j]);
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) rec_out[int64_t(h) * DK * dv + (i0 + i) * dv + j] = col[i];
+  for (int i = 0; i < R; ++i) rec_out[at + int64_t(i) * dv] = col[i];
 }
 
 // Prefill's causal conv + SiLU, one thread per (row, channel): row t reads inputs t - k_c + 1 … t, those before
@@ -1380,6 +1460,9 @@ inline cudaError_t allow_decode_smem() {
   allow(gemv_kernel<1>), allow(gemv_kernel<2>), allow(gemv_kernel<4>), allow(gemv_kernel<8>);
   allow(moe_decode_kernel<1>), allow(moe_decode_kernel<2>), allow(moe_decode_kernel<4>);
   allow(moe_decode_kernel<8>);
+  // a value head's step on up to 16 blocks (d_v ≤ 512): past the portable cluster size of 8
+  for (auto kernel : {gdn_step_kernel<32>, gdn_step_kernel<64>, gdn_step_kernel<128>})
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   return e;
 }
 
