@@ -163,10 +163,10 @@ __device__ __forceinline__ int64_t split_len(int64_t n) { return (n + kDecodeSpl
 // as every other key is read). Otherwise q_in is qbuf, which attn_prepare_kernel wrote with the cache row.
 // Many small splits and a merge by another kernel measured faster than fewer, longer ones merged inside this
 // kernel by the last block of each KV head (17 / 29 / 63 µs a layer at 127 / 1,023 / 4,095 keys, the last
-// block's merge of up to 32 partials the slow part). As it is (decode_kernels harness, H200, a layer): 20.0 /
-// 24.0 / 27.2 µs prepared inside, 17.0 / 19.8 / 23.1 after attn_prepare_kernel (its eight heads' norms and
-// rotations, two rounds of four warps in every block here, cost more than the kernel boundary they save);
-// the CUDA-core kernels before: 22.5 / 28.3 / 51.3 and 18.6 / 25.2 / 44.4.
+// block's merge of up to 32 partials the slow part). As it is (decode_kernels harness, H200, a layer, with the
+// merge): 12.8 / 13.5 / 20.1 µs prepared inside, 10.7 / 11.1 / 16.6 after attn_prepare_kernel (why preparing
+// here costs more than the kernel boundary it saves is not yet known); the CUDA-core kernels before: 22.5 /
+// 28.3 / 51.3 and 18.6 / 25.2 / 44.4.
 template <int D, bool Prepare>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(const float* q_in, const float* k, const float* v, const float* q_norm, const float* k_norm,
