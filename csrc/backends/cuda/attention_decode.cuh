@@ -187,7 +187,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const float* q = q_in + int64_t(kvh) * G * D;
   const float* fresh_v = v + int64_t(kvh) * D;
   if constexpr (Prepare) {
-    static_assert(kMaxGroup <= 2 * kAttnWarps && D <= kMaxHeadDim, "a warp prepares two query heads and k");
+    static_assert((kMaxGroup + kAttnWarps - 1) / kAttnWarps + 1 <= kRopeRows && D <= kMaxHeadDim,
+                  "a warp prepares its query heads and k in one norm_rope_rows");
     const bool holds_pos = kv.s0 <= pos && pos < kv.s1;
     HeadRows rows;
     for (int r = warp; r < G; r += kAttnWarps) rows.add(q_in + int64_t(2 * (kvh * G + r)) * D, q_norm, qs + r * D);

@@ -684,7 +684,8 @@ class CudaBackend final : public Backend {
     need(c_.n_q % c_.n_kv == 0 && c_.n_q / c_.n_kv <= kMaxGroup,
          "n_q / n_kv = " + std::to_string(c_.n_q / std::max(c_.n_kv, 1)) + " (at most 8 query heads per KV head)");
     need(c_.lin_dk == 32 || c_.lin_dk == 64 || c_.lin_dk == 128, "linear_key_head_dim " + std::to_string(c_.lin_dk));
-    need(c_.lin_dv % 32 == 0 && c_.lin_dv <= 512, "linear_value_head_dim " + std::to_string(c_.lin_dv));
+    need(c_.lin_dv % kGdnStepCols == 0 && c_.lin_dv <= kGdnStepMaxCluster * kGdnStepCols,
+         "linear_value_head_dim " + std::to_string(c_.lin_dv) + " (a multiple of 32, at most 512)");
     need(c_.conv_kernel >= 1 && c_.conv_kernel <= 8, "linear_conv_kernel_dim " + std::to_string(c_.conv_kernel));
     need(c_.top_k <= kMaxTopK && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
     need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));

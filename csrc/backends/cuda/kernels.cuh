@@ -796,15 +796,16 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
 // state S [d_k, d_v] is split by columns over a cluster of d_v / kGdnStepCols blocks: a block holds 32 columns
 // in registers, warp p rows [p·d_k/8, (p + 1)·d_k/8) of each (a warp's loads of a row are 128 contiguous bytes),
 // its partial dot products summed across warps in shared memory, and the gated norm's sum of squares across
-// the cluster through distributed shared memory. One block a head (d_v / 2 columns a thread pair) read and
-// wrote its 64 KB state through one SM: ~2 µs each way on the step's critical path, as 32 blocks on an H200
-// of 132 SMs. The states are read from one copy and written to the other (conv_in/rec_in → conv_out/rec_out:
+// the cluster through distributed shared memory. One block a head put a head's 64 KB of state through one SM
+// each way (32 SMs of the H200's 132); this split moves a quarter of that through each of 128, though no
+// end-to-end change was measurable from it alone (docs/performance.md). The states are read from one copy and written to the other (conv_in/rec_in → conv_out/rec_out:
 // the backend keeps two, so a step run ahead can be undone), which also lets the blocks sharing a key head
 // each convolve its q/k channels from the old conv state while one of them writes the new one.
 constexpr int kGdnStepCols = 32;                            // state columns a block: a warp's lanes
 constexpr int kGdnStepWarps = 8;                            // row parts a column
 constexpr int kGdnStepThreads = kGdnStepWarps * 32;
 constexpr int kGdnConvPerThread = 2;                        // conv channels a thread: 2·d_k + 32 ≤ 2 · 256
+constexpr int kGdnStepMaxCluster = 16;                      // blocks a value head at most: d_v ≤ 512
 __host__ __device__ constexpr int gdn_step_cluster(int dv) { return dv / kGdnStepCols; }  // blocks a value head
 template <int DK>
 __global__ void __launch_bounds__(kGdnStepThreads)
@@ -814,7 +815,8 @@ __global__ void __launch_bounds__(kGdnStepThreads)
                     float eps) {
   constexpr int R = DK / kGdnStepWarps, N_CH = 2 * DK + kGdnStepCols;
   static_assert(N_CH <= kGdnConvPerThread * kGdnStepThreads, "a block's conv channels");
-  __shared__ float qs[DK], ks[DK], vs[kGdnStepCols], dots[2][kGdnStepWarps][kGdnStepCols], ss_ranks[16];
+  __shared__ float qs[DK], ks[DK], vs[kGdnStepCols], dots[2][kGdnStepWarps][kGdnStepCols],
+      ss_ranks[kGdnStepMaxCluster];
   cg::cluster_group cluster = cg::this_cluster();
   const int S = gdn_step_cluster(dv), rank = int(cluster.block_rank()), h = blockIdx.x / S;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, j = rank * kGdnStepCols + lane, i0 = warp * R;
@@ -1460,7 +1462,7 @@ inline cudaError_t allow_decode_smem() {
   allow(gemv_kernel<1>), allow(gemv_kernel<2>), allow(gemv_kernel<4>), allow(gemv_kernel<8>);
   allow(moe_decode_kernel<1>), allow(moe_decode_kernel<2>), allow(moe_decode_kernel<4>);
   allow(moe_decode_kernel<8>);
-  // a value head's step on up to 16 blocks (d_v ≤ 512): past the portable cluster size of 8
+  // a value head's step on up to kGdnStepMaxCluster (16) blocks: past the portable cluster size of 8
   for (auto kernel : {gdn_step_kernel<32>, gdn_step_kernel<64>, gdn_step_kernel<128>})
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   return e;
