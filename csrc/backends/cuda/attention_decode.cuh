@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   __shared__ float qs[Prepare ? kMaxGroup * D : 1], krow[Prepare ? D : 1];
   static_assert(kDecodeSplits % kAttnWarps == 0, "a block's splits share their KV head");
   start_next_kernel();
-  wait_previous_kernel();
+  if constexpr (!Prepare) wait_previous_kernel();  // attn_prepare_kernel wrote the cache row at pos
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = n_q / n_kv;
   const int split = (blockIdx.x * kAttnWarps + warp) % kDecodeSplits, kvh = blockIdx.x * kAttnWarps / kDecodeSplits;
   const int64_t pos = *pos_dev, n = pos + 1, len = split_len(n), s0 = split * len;
@@ -184,6 +184,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const KvSplit<D> kv{Kc + int64_t(kvh) * cap * D, Vc + int64_t(kvh) * cap * D, s0, min(s0 + len, n),
                       Prepare ? pos : -1, stage};
   for (int t = 0; t < kAttnStages; ++t) kv.issue(t);
+  // Prepared here, the tiles above go out before the wait: their rows are earlier steps' (the row at pos, this
+  // launch's, is never read from the cache), and pos is copied in before the step, so no kernel of it writes them.
+  if constexpr (Prepare) wait_previous_kernel();
   const float* q = q_in + int64_t(kvh) * G * D;
   const float* fresh_v = v + int64_t(kvh) * D;
   if constexpr (Prepare) {

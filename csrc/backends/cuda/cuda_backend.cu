@@ -548,7 +548,7 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
     const int K = c_.top_k, E = c_.experts, H = c_.hidden, I = c_.moe_inter, Is = c_.shared_inter, TK = T * K;
-    topk_kernel<<<T, 256, E * sizeof(float), stream_>>>(router_, E, K, route_ids_, route_w_);
+    topk_kernel<<<T, 32, 0, stream_>>>(router_, E, K, route_ids_, route_w_);
     moe_group_kernel<<<1, 1024, 2 * E * sizeof(int), stream_>>>(route_ids_, TK, E, counts_, offsets_, perm_, inv_);
     const float* xn = act(Act::xn);
     grouped(M.gate, xn, H, T, perm_, K, g_, I);
@@ -687,7 +687,9 @@ class CudaBackend final : public Backend {
     need(c_.lin_dv % kGdnStepCols == 0 && c_.lin_dv <= kGdnStepMaxCluster * kGdnStepCols,
          "linear_value_head_dim " + std::to_string(c_.lin_dv) + " (a multiple of 32, at most 512)");
     need(c_.conv_kernel >= 1 && c_.conv_kernel <= 8, "linear_conv_kernel_dim " + std::to_string(c_.conv_kernel));
-    need(c_.top_k <= kMaxTopK && c_.experts <= 2048, "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32), num_experts " + std::to_string(c_.experts) + " (at most 2048)");
+    need(c_.top_k <= kMaxTopK && c_.top_k <= c_.experts && c_.experts <= 32 * kTopkPerLane,
+         "num_experts_per_tok " + std::to_string(c_.top_k) + " (at most 32 and num_experts), num_experts " +
+             std::to_string(c_.experts) + " (at most 512)");
     need(c_.rotary_dim % 2 == 0 && c_.rotary_dim <= d, "rotary_dim " + std::to_string(c_.rotary_dim));
   }
 

@@ -975,51 +975,56 @@ __global__ void gdn_gated_norm_kernel(float* mix, int ldmix, const float* z, con
 
 // ---------------------------------------------------------------- MoE
 
-// Router top-k of E logits (ties to the lower id, as the reference) and the softmax weights renormalised over
-// the K taken (the full softmax's denominator cancels). The logits are staged in shared memory by the block; one
-// warp then takes the K in K rounds, each the warp's largest key below the last one taken (argmax_key: the
-// value's bits made to order, then the complement of the id, so keys are distinct and ties go to the lower id).
-// Ranking every logit against every other with the whole block cost 256 comparisons a thread: ~2 µs of issue
-// slots on the experts' critical path, where these rounds are a few hundred cycles of one warp. `l` holds E
-// floats of shared memory; the route lands in ids[K] / weights[K] (shared or global), visible to the block on
-// return.
+// A float's bits made to order: larger floats give larger unsigned values (−0 below +0).
+__device__ __forceinline__ uint32_t ordered_bits(float v) {
+  const uint32_t b = __float_as_uint(v);
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float ordered_value(uint32_t k) { return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k); }
 // A logit and its id as one key whose unsigned order is the logits' order, ties to the lower id.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
-  const uint32_t b = __float_as_uint(v), ordered = (b & 0x80000000u) ? ~b : b | 0x80000000u;
-  return (uint64_t(ordered) << 32) | uint32_t(~uint32_t(i));
-}
-__device__ __forceinline__ void block_topk(const float* logits, float* l, int E, int K, int* ids, float* weights) {
-  for (int e = threadIdx.x; e < E; e += blockDim.x) l[e] = __ldcg(logits + e);  // (other blocks' writes)
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    unsigned long long below = ~0ull;
-    float top0 = 0.f, w = 0.f;
-    for (int k = 0; k < K; ++k) {
-      unsigned long long best = 0;
-      for (int e = lane; e < E; e += 32) {
-        const unsigned long long key = argmax_key(l[e], e);
-        if (key < below && key > best) best = key;
-      }
-#pragma unroll
-      for (int o = 16; o; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
-      below = best;
-      const int id = int(~uint32_t(best));
-      const float v = l[id];
-      if (k == 0) top0 = v;
-      if (lane == k) ids[k] = id, w = expf(v - top0);
-    }
-    const float sum = warp_sum(lane < K ? w : 0.f);
-    if (lane < K) weights[lane] = w / sum;
-  }
-  __syncthreads();
+  return (uint64_t(ordered_bits(v)) << 32) | uint32_t(~uint32_t(i));
 }
 
-// The routes of T rows (prefill), a block per row.
+constexpr int kTopkPerLane = 16;  // logits a lane of warp_topk holds: E ≤ 512
+
+// Router top-k of E logits (ties to the lower id, as the reference) and the softmax weights renormalised over
+// the K taken (the full softmax's denominator cancels), by one warp from registers: lane l holds logits l + 32·j
+// as ordered_bits (0 once taken), and each round takes the warp's largest with one redux.sync and the lowest id
+// holding it with another. The block-staged version before it (the logits through shared memory behind a block
+// barrier, then K rounds of five 64-bit shuffle levels) cost the experts' kernel ~1 µs more a layer (harness).
+// The logits may be other blocks' writes of the same kernel (read through L2); the route lands in ids[K] /
+// weights[K] (shared or global).
+__device__ __forceinline__ void warp_topk(const float* logits, int E, int K, int* ids, float* weights) {
+  const int lane = threadIdx.x & 31;
+  uint32_t key[kTopkPerLane];
+#pragma unroll
+  for (int j = 0; j < kTopkPerLane; ++j) key[j] = lane + 32 * j < E ? ordered_bits(__ldcg(logits + lane + 32 * j)) : 0u;
+  float top0 = 0.f, w = 0.f;
+  for (int k = 0; k < K; ++k) {
+    uint32_t best = 0;
+    int bj = 0;
+#pragma unroll
+    for (int j = 0; j < kTopkPerLane; ++j)
+      if (key[j] > best) best = key[j], bj = j;  // (strictly: the lane's lowest id of equal keys)
+    const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+    const int id = int(__reduce_min_sync(0xffffffffu, best == top ? uint32_t(lane + 32 * bj) : ~0u));
+    if (lane == (id & 31)) {
+#pragma unroll
+      for (int j = 0; j < kTopkPerLane; ++j)
+        if (j == (id >> 5)) key[j] = 0;
+    }
+    const float v = ordered_value(top);
+    if (k == 0) top0 = v;
+    if (lane == k) ids[k] = id, w = expf(v - top0);
+  }
+  const float sum = warp_sum(lane < K ? w : 0.f);
+  if (lane < K) weights[lane] = w / sum;
+}
+
+// The routes of T rows (prefill), a warp per row.
 __global__ void topk_kernel(const float* logits, int E, int K, int32_t* ids, float* weights) {
-  extern __shared__ float row[];
-  block_topk(logits + int64_t(blockIdx.x) * E, row, E, K, ids + int64_t(blockIdx.x) * K,
-             weights + int64_t(blockIdx.x) * K);
+  warp_topk(logits + int64_t(blockIdx.x) * E, E, K, ids + int64_t(blockIdx.x) * K, weights + int64_t(blockIdx.x) * K);
 }
 
 // Assignment slots s = t·K + j grouped by expert: counts, offsets (exclusive scan), perm[position] = slot and
@@ -1100,10 +1105,9 @@ struct MoeDecode {
   }
   __host__ __device__ uint32_t down_tile_bytes(int rows) const { return K * tile_bytes(down, rows) + tile_bytes(sdown, rows); }
   __host__ __device__ uint32_t h_bytes() const { return padded_floats((K + 1) * ldh) * sizeof(float); }
-  // beside the gate/up ring (which h reuses): a down tile, the staged xn (floats and quantised chunks), the
-  // router logits for the top-k
+  // beside the gate/up ring (which h reuses): a down tile and the staged xn (floats and quantised chunks)
   __host__ __device__ uint32_t extra_bytes(int H, int down_rows) const {
-    return down_tile_bytes(down_rows) + (padded_floats(H) + E) * sizeof(float) + staged_chunks_bytes(H);
+    return down_tile_bytes(down_rows) + padded_floats(H) * sizeof(float) + staged_chunks_bytes(H);
   }
 };
 
@@ -1172,7 +1176,7 @@ __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t*
 // null). x: the residual the down projection adds into. logits / shared_logit: the router's and the shared
 // gate's, this kernel's output when the route is fused in, else its input. ids / weights: the route (block 0).
 // counts [3]: 0 between launches. Shared memory: [ring_bytes: the gate/up ring, then h][a down tile][the
-// staged row][E floats].
+// staged row].
 template <int U>
 __global__ void __launch_bounds__(kDecodeThreads, 2)
     moe_decode_kernel(MoeDecode m, const float* xin, float* x, int H, const float* norm, float eps, float* logits,
@@ -1248,14 +1252,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   wait_previous_kernel();
   float* xs = reinterpret_cast<float*>(dtile + m.down_tile_bytes(down_rows));
   QChunk* qx = reinterpret_cast<QChunk*>(xs + padded_floats(H));
-  float* topk_row = reinterpret_cast<float*>(qx + (H + 31) / 32);
   bool have_route = false;
   // the route; the tiles it makes issuable from gate/up tile i on, and the first down tile
   auto take_route = [&](int i) {
-    if (route_tiles && threadIdx.x == 0)
-      while (ld_acquire(counts) < unsigned(route_tiles)) __nanosleep(32);
-    __syncthreads();  // (also publishes the barriers' initialisation)
-    block_topk(logits, topk_row, m.E, K, route, route_w);
+    if (threadIdx.x < 32) {
+      if (route_tiles && threadIdx.x == 0)
+        while (ld_acquire(counts) < unsigned(route_tiles)) __nanosleep(32);
+      __syncwarp();
+      warp_topk(logits, m.E, K, route, route_w);
+    }
+    __syncthreads();  // the route (and the barriers' initialisation)
     have_route = true;
     issue_until(i + stages, true);
     if (threadIdx.x == kIssuer && my_down) issue_down(0);
