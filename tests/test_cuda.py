@@ -5,7 +5,7 @@ identical on the peaked model, through the captured decode graph, also across a 
 sampled and penalised tokens, selected on the device inside the decode graph, equal to the host sampler
 (lily.Sampler) drawing from the same CUDA logits, also over several generations replaying one graph. The device
 sampler (sample.cuh) alone against the host sampler with test_sample.py's criterion. Two decode steps in flight
-equal to one at a time, and the step run ahead undone on a stop. Runs where a CUDA device is
+equal to one at a time, and the step run ahead undone on a stop. Two engines decoding at once from two threads. Runs where a CUDA device is
 present and skips with lily.backend_unavailable's reason otherwise; the build check runs everywhere.
 """
 import shutil
@@ -102,6 +102,30 @@ def test_each_fusion_off_decodes_the_same(off, ids):
     want = engine(tm.PEAKED, "mlx_q4_bf16", "reference").generate(prompt, max_tokens=12, temperature=0).token_ids
     e = lily.Engine.from_pretrained(tm.get_model(tm.PEAKED, "mlx_q4_bf16"), backend="cuda", fusions={off: False})
     assert e.generate(prompt, max_tokens=12, temperature=0).token_ids == want
+
+
+@needs_device
+def test_two_engines_decode_side_by_side(ids):
+    """Two CUDA engines generating at once from two threads: their decode graphs take turns on the GPU (the
+    experts' kernel's blocks wait on each other, so two of them must never share it: a hang here) and each gives
+    the tokens it gives alone."""
+    import threading
+    prompt, _ = ids
+    engines = [lily.Engine.from_pretrained(tm.get_model(tm.PEAKED, "mlx_q4_bf16"), backend="cuda") for _ in range(2)]
+    want = engines[0].generate(prompt, max_tokens=24, temperature=0).token_ids
+    got = [None, None]
+
+    def generate(i):
+        for _ in range(4):
+            got[i] = engines[i].generate(prompt, max_tokens=24, temperature=0).token_ids
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "two engines' decode steps did not finish in 120 s"
+    assert len(want) == 24 and got == [want, want]
 
 
 @needs_device

@@ -29,10 +29,6 @@ template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
   CK(launch_dependent(stream, {}, kernel, grid, block, smem, args...));
 }
-template <class... P, class... A>
-void launch_resident(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-  CK(launch_dependent(stream, {true}, kernel, grid, block, smem, args...));
-}
 
 // Median microseconds of one `body()` (which issues `per` launches into `stream`), captured as a graph.
 template <class F>
@@ -221,7 +217,7 @@ struct MoeBuffers {
 void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H) {
   const MoeGrid g = moe_decode_grid(md, H, slots, sms);
   const bool fused = md.route_tiles() > 0;
-  launch_resident(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
+  launch(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
          md, (const float*)(fused ? b.x : b.xn), b.x, H, fused ? b.norm : nullptr, 1e-6f, b.router, b.sg, b.count,
          b.ids, b.w, b.h, g.stages, md.gate_up_stage_bytes(), g.ring_bytes, g.down_rows);
 }
@@ -695,6 +691,10 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CK(allow_decode_smem());
   CK(allow_attention_decode_smem());
+  if (!moe_decode_fits(moe_decode_kernel<2>, slots, sms)) {
+    std::printf("the experts' kernel: %d blocks do not fit at once: FAIL\n", slots);
+    return 1;
+  }
   CK(cudaFuncSetAttribute(stream_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem)));
   if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
     gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <stdexcept>
 #include <type_traits>
 #include <unordered_map>
@@ -96,6 +97,11 @@ class CudaBackend final : public Backend {
     CK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
     const char* per_sm = std::getenv("LILY_CUDA_DECODE_BLOCKS_PER_SM");
     slots_ = decode_slots(sms_, per_sm && *per_sm ? std::atoi(per_sm) : kDecodeBlocksPerSm);
+    CK(allow_decode_smem());
+    CK(allow_attention_decode_smem());
+    if (!moe_decode_fits(by_cols(c_.hidden, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), slots_, sms_))
+      throw std::runtime_error("[cuda] the experts' decode kernel: " + std::to_string(slots_) +
+                               " blocks do not fit this GPU at once (LILY_CUDA_DECODE_BLOCKS_PER_SM=1 asks for one an SM)");
     upload_weights();
     for (int a = 0; a < int(Act::count); ++a) {
       width_[a] = act_width(c_, Act(a));
@@ -130,8 +136,6 @@ class CudaBackend final : public Backend {
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
     moe_counts_ = device_alloc<unsigned>(3);
     CK(cudaMemset(moe_counts_, 0, 3 * sizeof(unsigned)));
-    CK(allow_decode_smem());
-    CK(allow_attention_decode_smem());
     pos_dev_ = device_alloc<int64_t>(1);
     sample_args_dev_ = device_alloc<SampleArgs>(1);
     seen_dev_ = device_alloc<uint8_t>(c_.vocab);
@@ -342,7 +346,7 @@ class CudaBackend final : public Backend {
         throw std::logic_error("[cuda] decode step called " + std::to_string(ops_) + " ops, its graph holds " +
                                std::to_string(graph_ops_));
       }
-      CK(cudaGraphLaunch(*graph_, stream_));
+      launch_decode_graph();
       mode_ = Mode::direct;
     }
     CK(cudaGetLastError());
@@ -513,7 +517,7 @@ class CudaBackend final : public Backend {
     const int in = s_->cur, out = in ^ 1;
     auto step = [&](auto kernel) {
       const int S = gdn_step_cluster(c_.lin_dv);
-      CK(cuda::launch_dependent(stream_, {false, S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv),
+      CK(cuda::launch_dependent(stream_, {S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv),
                                 s_->conv[in][layer], s_->conv[out][layer], vec(G.conv), act(Act::beta),
                                 act(Act::alpha), act(Act::z), s_->rec[in][layer], s_->rec[out][layer],
                                 vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
@@ -572,7 +576,7 @@ class CudaBackend final : public Backend {
     route_layer_ = -1;
     if (route) md.router = lin(M.router), md.shared_router = lin(M.shared_gate);
     const MoeGrid g = moe_decode_grid(md, H, slots_, sms_);
-    launch_resident(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks,
+    launch_dependent(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks,
                      kDecodeThreads, g.smem, md, act(route ? Act::x : Act::xn), act(Act::x), H,
                      route ? route_norm_ : nullptr, c_.rms_eps, router_, shared_logit_, moe_counts_, route_ids_,
                      route_w_, hbuf_, g.stages, md.gate_up_stage_bytes(), g.ring_bytes, g.down_rows);
@@ -659,6 +663,25 @@ class CudaBackend final : public Backend {
       launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, logits_[out_], c_.vocab,
                        argmax_slot_, tok_slots_ + out_);
     CK(cudaMemcpyAsync(host_tok_ + out_, tok_slots_ + out_, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  }
+
+  // A decode graph, after every decode graph that any CudaBackend of the process launched before it on this
+  // device: moe_decode_kernel's blocks wait on each other (kernels.cuh), so two of them must never share the GPU,
+  // each holding part of it — which two backends' streams could otherwise make happen.
+  void launch_decode_graph() {
+    struct Order {
+      std::mutex m;
+      std::unordered_map<int, cudaEvent_t> last;  // a device's last decode graph
+    };
+    static Order& order = *new Order;  // (never destroyed: backends may outlive static destruction)
+    int device = 0;
+    CK(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(order.m);
+    cudaEvent_t& last = order.last[device];
+    if (!last) CK(cudaEventCreateWithFlags(&last, cudaEventDisableTiming));
+    CK(cudaStreamWaitEvent(stream_, last, 0));
+    CK(cudaGraphLaunch(*graph_, stream_));
+    CK(cudaEventRecord(last, stream_));
   }
 
   void drop_graphs() {
@@ -813,11 +836,6 @@ class CudaBackend final : public Backend {
   template <class... P, class... A>
   void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     CK(cuda::launch_dependent(stream_, {}, kernel, grid, block, smem, args...));
-  }
-  // moe_decode_kernel's blocks wait on each other: all resident at once
-  template <class... P, class... A>
-  void launch_resident(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    CK(cuda::launch_dependent(stream_, {true}, kernel, grid, block, smem, args...));
   }
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {
