@@ -5,8 +5,9 @@ identical on the peaked model, through the captured decode graph, also across a 
 sampled and penalised tokens, selected on the device inside the decode graph, equal to the host sampler
 (lily.Sampler) drawing from the same CUDA logits, also over several generations replaying one graph. The device
 sampler (sample.cuh) alone against the host sampler with test_sample.py's criterion. Two decode steps in flight
-equal to one at a time, and the step run ahead undone on a stop. Two engines decoding at once from two threads. Runs where a CUDA device is
-present and skips with lily.backend_unavailable's reason otherwise; the build check runs everywhere.
+equal to one at a time, and the step run ahead undone on a stop. Two engines decoding at once from two threads.
+Runs where a CUDA device is present and skips with lily.backend_unavailable's reason otherwise; the build check
+runs everywhere.
 """
 import shutil
 

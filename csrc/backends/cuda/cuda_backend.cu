@@ -99,9 +99,11 @@ class CudaBackend final : public Backend {
     slots_ = decode_slots(sms_, per_sm && *per_sm ? std::atoi(per_sm) : kDecodeBlocksPerSm);
     CK(allow_decode_smem());
     CK(allow_attention_decode_smem());
-    if (!moe_decode_fits(by_cols(c_.hidden, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), slots_, sms_))
+    const auto experts = by_cols(c_.hidden, [](auto U) { return moe_decode_kernel<decltype(U)::value>; });
+    if (!moe_decode_fits(experts, slots_, sms_))
       throw std::runtime_error("[cuda] the experts' decode kernel: " + std::to_string(slots_) +
-                               " blocks do not fit this GPU at once (LILY_CUDA_DECODE_BLOCKS_PER_SM=1 asks for one an SM)");
+                               " blocks do not fit this GPU at once (LILY_CUDA_DECODE_BLOCKS_PER_SM=1: one an SM)");
+    decode_order_ = &DecodeOrder::of(device);
     upload_weights();
     for (int a = 0; a < int(Act::count); ++a) {
       width_[a] = act_width(c_, Act(a));
@@ -669,19 +671,10 @@ class CudaBackend final : public Backend {
   // device: moe_decode_kernel's blocks wait on each other (kernels.cuh), so two of them must never share the GPU,
   // each holding part of it — which two backends' streams could otherwise make happen.
   void launch_decode_graph() {
-    struct Order {
-      std::mutex m;
-      std::unordered_map<int, cudaEvent_t> last;  // a device's last decode graph
-    };
-    static Order& order = *new Order;  // (never destroyed: backends may outlive static destruction)
-    int device = 0;
-    CK(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(order.m);
-    cudaEvent_t& last = order.last[device];
-    if (!last) CK(cudaEventCreateWithFlags(&last, cudaEventDisableTiming));
-    CK(cudaStreamWaitEvent(stream_, last, 0));
+    std::lock_guard<std::mutex> lock(decode_order_->m);
+    CK(cudaStreamWaitEvent(stream_, decode_order_->last, 0));
     CK(cudaGraphLaunch(*graph_, stream_));
-    CK(cudaEventRecord(last, stream_));
+    CK(cudaEventRecord(decode_order_->last, stream_));
   }
 
   void drop_graphs() {
@@ -899,6 +892,23 @@ class CudaBackend final : public Backend {
   cudaEvent_t done_[kDone] = {};
   std::deque<Unread> unread_;
   ArgmaxSlot* argmax_slot_ = nullptr;
+  // A device's last decode graph, shared by every CudaBackend of the process on it (launch_decode_graph).
+  struct DecodeOrder {
+    std::mutex m;
+    cudaEvent_t last = nullptr;
+    static DecodeOrder& of(int device) {
+      struct Registry {
+        std::mutex m;
+        std::unordered_map<int, DecodeOrder> orders;  // (nodes: references stay valid)
+      };
+      static Registry& r = *new Registry;  // (never destroyed: backends may outlive static destruction)
+      std::lock_guard<std::mutex> lock(r.m);
+      DecodeOrder& o = r.orders[device];
+      if (!o.last) CK(cudaEventCreateWithFlags(&o.last, cudaEventDisableTiming));
+      return o;
+    }
+  };
+  DecodeOrder* decode_order_ = nullptr;
   unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [3] (0 between launches)
   int route_layer_ = -1;               // the layer whose moe_decode takes the route (moe_norm_route)
   const float* route_norm_ = nullptr;  // and its post-attention norm

@@ -792,9 +792,10 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
 // its partial dot products summed across warps in shared memory, and the gated norm's sum of squares across
 // the cluster through distributed shared memory. One block a head put a head's 64 KB of state through one SM
 // each way (32 SMs of the H200's 132); this split moves a quarter of that through each of 128, though no
-// end-to-end change was measurable from it alone (docs/performance.md). The states are read from one copy and written to the other (conv_in/rec_in → conv_out/rec_out:
-// the backend keeps two, so a step run ahead can be undone), which also lets the blocks sharing a key head
-// each convolve its q/k channels from the old conv state while one of them writes the new one.
+// end-to-end change was measurable from it alone (docs/performance.md). The states are read from one copy and
+// written to the other (conv_in/rec_in → conv_out/rec_out: the backend keeps two, so a step run ahead can be
+// undone), which also lets the blocks sharing a key head each convolve its q/k channels from the old conv state
+// while one of them writes the new one.
 constexpr int kGdnStepCols = 32;                            // state columns a block: a warp's lanes
 constexpr int kGdnStepWarps = 8;                            // row parts a column
 constexpr int kGdnStepThreads = kGdnStepWarps * 32;
@@ -974,7 +975,9 @@ __device__ __forceinline__ uint32_t ordered_bits(float v) {
   const uint32_t b = __float_as_uint(v);
   return (b & 0x80000000u) ? ~b : b | 0x80000000u;
 }
-__device__ __forceinline__ float ordered_value(uint32_t k) { return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k); }
+__device__ __forceinline__ float ordered_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
 // A logit and its id as one key whose unsigned order is the logits' order, ties to the lower id.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
   return (uint64_t(ordered_bits(v)) << 32) | uint32_t(~uint32_t(i));
@@ -993,7 +996,10 @@ __device__ __forceinline__ void warp_topk(const float* logits, int E, int K, int
   const int lane = threadIdx.x & 31;
   uint32_t key[kTopkPerLane];
 #pragma unroll
-  for (int j = 0; j < kTopkPerLane; ++j) key[j] = lane + 32 * j < E ? ordered_bits(__ldcg(logits + lane + 32 * j)) : 0u;
+  for (int j = 0; j < kTopkPerLane; ++j) {
+    const int e = lane + 32 * j;
+    key[j] = e < E ? ordered_bits(__ldcg(logits + e)) : 0u;
+  }
   float top0 = 0.f, w = 0.f;
   for (int k = 0; k < K; ++k) {
     uint32_t best = 0;
