@@ -42,8 +42,9 @@ def main() -> int:
         k = kernels.setdefault(r["ID"], {"name": r["Kernel Name"]})
         unit = r.get("Metric Unit", "")
         value = float(r["Metric Value"].replace(",", ""))
+        # bytes, durations in microseconds, counts (launch__grid_size: the device's ncu gives them no unit)
         scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "ns": 1e-3, "nsecond": 1e-3, "us": 1,
-                 "usecond": 1, "ms": 1e3, "msecond": 1e3}.get(unit)  # bytes, and durations in microseconds
+                 "usecond": 1, "ms": 1e3, "msecond": 1e3, "": 1}.get(unit)
         if scale is None:
             raise SystemExit(f"{r['Metric Name']}: unit {unit!r} not known")
         k[r["Metric Name"]] = value * scale
