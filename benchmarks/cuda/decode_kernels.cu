@@ -241,8 +241,8 @@ void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused) {
   MoeBuffers b{upload(xn), upload(router), nullptr, nullptr, upload(sg), upload(x0), nullptr};
   float* dg = upload(g);
   b.norm = dg;
-  CK(cudaMalloc(&b.count, 3 * sizeof(unsigned)));
-  CK(cudaMemset(b.count, 0, 3 * sizeof(unsigned)));
+  CK(cudaMalloc(&b.count, kMoeCounts * sizeof(unsigned)));
+  CK(cudaMemset(b.count, 0, kMoeCounts * sizeof(unsigned)));
   CK(cudaMalloc(&b.h, size_t(K + 1) * ldh * 4));
   CK(cudaMemset(b.h, 0, size_t(K + 1) * ldh * 4));
   CK(cudaMalloc(&b.w, K * 4));
@@ -257,9 +257,9 @@ void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused) {
     got.push_back(sg[0]), want.push_back(ref_gemv(ex.shared_router.W, 0, xn)[0]);
     check("logits", shape, got, want, kDotTol);
   }
-  std::vector<unsigned> counts(3);
-  CK(cudaMemcpy(counts.data(), b.count, sizeof(unsigned) * 3, cudaMemcpyDeviceToHost));
-  const bool reset = counts[0] == 0 && counts[1] == 0 && counts[2] == 0;
+  std::vector<unsigned> counts(kMoeCounts);
+  CK(cudaMemcpy(counts.data(), b.count, sizeof(unsigned) * kMoeCounts, cudaMemcpyDeviceToHost));
+  const bool reset = std::all_of(counts.begin(), counts.end(), [](unsigned c) { return c == 0; });
   if (!reset) ++failures;
   std::printf("%-8s %-50s %s\n", "counts", shape.c_str(), reset ? "0 after the launch: ok" : "not reset: FAIL");
   // the route
@@ -635,8 +635,8 @@ void step_case() {
   MoeBuffers b{xn, nullptr, buf(9 * 512), buf(8), sgl, x, nullptr};
   CK(cudaMalloc(&b.ids, 8 * 4));
   owned.push_back(b.ids);
-  CK(cudaMalloc(&b.count, 3 * sizeof(unsigned)));  // moe_decode_kernel's counts
-  CK(cudaMemset(b.count, 0, 3 * sizeof(unsigned)));
+  CK(cudaMalloc(&b.count, kMoeCounts * sizeof(unsigned)));
+  CK(cudaMemset(b.count, 0, kMoeCounts * sizeof(unsigned)));
   owned.push_back(b.count);
   b.norm = g;
   std::vector<float*> routers;

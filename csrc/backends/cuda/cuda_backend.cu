@@ -136,8 +136,8 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t& e : done_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     argmax_slot_ = device_alloc<ArgmaxSlot>(1);
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
-    moe_counts_ = device_alloc<unsigned>(3);
-    CK(cudaMemset(moe_counts_, 0, 3 * sizeof(unsigned)));
+    moe_counts_ = device_alloc<unsigned>(kMoeCounts);
+    CK(cudaMemset(moe_counts_, 0, kMoeCounts * sizeof(unsigned)));
     pos_dev_ = device_alloc<int64_t>(1);
     sample_args_dev_ = device_alloc<SampleArgs>(1);
     seen_dev_ = device_alloc<uint8_t>(c_.vocab);
@@ -909,7 +909,7 @@ class CudaBackend final : public Backend {
     }
   };
   DecodeOrder* decode_order_ = nullptr;
-  unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [3] (0 between launches)
+  unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [kMoeCounts]
   int route_layer_ = -1;               // the layer whose moe_decode takes the route (moe_norm_route)
   const float* route_norm_ = nullptr;  // and its post-attention norm
   int64_t* pos_dev_ = nullptr;

@@ -1115,6 +1115,9 @@ struct MoeDecode {
   }
 };
 
+// moe_decode_kernel's counts: route tiles done, blocks past gate/up, blocks past their waits (0 between launches)
+constexpr int kMoeCounts = 3;
+
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -1179,7 +1182,7 @@ __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t*
 // xin: the row gate/up reads — RMSNorm'd by norm when the route is fused in (xin is then x), else xn as is (norm
 // null). x: the residual the down projection adds into. logits / shared_logit: the router's and the shared
 // gate's, this kernel's output when the route is fused in, else its input. ids / weights: the route (block 0).
-// counts [3]: 0 between launches. Shared memory: [ring_bytes: the gate/up ring, then h][a down tile][the
+// counts [kMoeCounts]: 0 between launches. Shared memory: [ring_bytes: the gate/up ring, then h][a down tile][the
 // staged row].
 template <int U>
 __global__ void __launch_bounds__(kDecodeThreads, 2)
