@@ -1,6 +1,6 @@
 // Correctness and speed of the CUDA backend's decode kernels (kernels.cuh: gemv_kernel, moe_decode_kernel with and
-// without the route, argmax_kernel; attention_decode.cuh: the split attention with and
-// without the q/k preparation inside, and its merge) on fresh random data, each against a naive fp32 reference
+// without the route, argmax_kernel; attention_decode.cuh: the split attention after attn_prepare_kernel, and its
+// merge) on fresh random data, each against a naive fp32 reference
 // (a kernel, or host code for attention) in this file, with the launch geometry the backend uses (plan_gemv,
 // decode_grid, moe_decode_grid); exits 1 on a failure. `--attention` runs the attention cases alone.
 //
@@ -335,8 +335,8 @@ void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused) {
 
 // ---------------------------------------------------------------- attention
 
-// Decode's attention for one row: the split kernel with the q/k preparation inside and the merge ("fused"), and
-// attn_prepare_kernel, the split kernel and the merge ("3 kernels"), at the backend's launch geometry.
+// Decode's attention for one row: attn_prepare_kernel, the split kernel and the merge, at the backend's launch
+// geometry.
 struct AttnShape {
   int n_q, n_kv, d, rot;
   std::string name(int64_t pos) const {
@@ -453,35 +453,32 @@ struct AttnDev {
   }
 };
 
-// CudaBackend::split_attention: the split kernel (with the q/k preparation inside, or after attn_prepare_kernel:
-// attn_prepare's one row) and the merge.
-void launch_attn(const AttnShape& s, int64_t cap, const AttnDev& b, bool fused) {
-  if (!fused)
-    launch(attn_prepare_kernel, dim3(1, (s.n_q + s.n_kv + kPrepareWarps - 1) / kPrepareWarps), kPrepareWarps * 32,
-           kPrepareWarps * s.d * 4, b.q_gate, b.k, b.v, b.q_norm, b.k_norm, b.qbuf, b.K, b.V, cap, b.pos, s.n_q,
-           s.n_kv, s.d, s.rot, kRopeTheta, kRmsEps);
+// CudaBackend's attn_prepare (one row) and attn_decode: attn_prepare_kernel, the split kernel and the merge.
+void launch_attn(const AttnShape& s, int64_t cap, const AttnDev& b) {
+  launch(attn_prepare_kernel, dim3(1, (s.n_q + s.n_kv + kPrepareWarps - 1) / kPrepareWarps), kPrepareWarps * 32,
+         kPrepareWarps * s.d * 4, b.q_gate, b.k, b.v, b.q_norm, b.k_norm, b.qbuf, b.K, b.V, cap, b.pos, s.n_q,
+         s.n_kv, s.d, s.rot, kRopeTheta, kRmsEps);
   by_head_dim(s.d, [&](auto D) {
-    launch(fused ? attention_kernel<D(), true> : attention_kernel<D(), false>, s.n_kv * kDecodeSplits / kAttnWarps,
-           kAttnWarps * 32, attn_smem_bytes<D()>(), (const float*)(fused ? b.q_gate : b.qbuf), (const float*)b.k,
-           (const float*)b.v, (const float*)b.q_norm, (const float*)b.k_norm, b.K, b.V, cap, (const int64_t*)b.pos,
-           s.n_q, s.n_kv, s.rot, kRopeTheta, kRmsEps, b.part);
+    launch(attention_kernel<D()>, s.n_kv * kDecodeSplits / kAttnWarps, kAttnWarps * 32, attn_smem_bytes<D()>(),
+           (const float*)b.qbuf, (const float*)b.v, (const __nv_bfloat16*)b.K, (const __nv_bfloat16*)b.V, cap,
+           (const int64_t*)b.pos, s.n_q, s.n_kv, b.part);
   });
   launch(attention_combine_kernel, attention_combine_grid(s.n_q, s.d), kCombineWarps * 32, 0, b.part, s.d,
          b.q_gate, b.mix);
 }
 
 // mix (poisoned with NaN first: every element must be written) against the reference; the cache's row pos
-// against the reference's, the other rows untouched. The fused path twice: the second launch (mix poisoned
-// again) must give the same mix, bit for bit.
-void attention_case(const AttnShape& s, int64_t pos, bool fused) {
+// against the reference's, the other rows untouched. Twice: the second launch (mix poisoned again, the row at
+// pos now in the cache) must give the same mix, bit for bit.
+void attention_case(const AttnShape& s, int64_t pos) {
   const AttnData a = make_attn_data(s, pos);
   const AttnRef r = ref_attention(a);
-  const std::string shape = s.name(pos) + (fused ? " fused" : " 3 kernels");  // (fused: 2 kernels)
+  const std::string shape = s.name(pos);
   const AttnDev b(a);
   const size_t n_mix = size_t(s.n_q) * s.d;
   auto run = [&] {
     CK(cudaMemsetAsync(b.mix, 0xff, n_mix * 4, stream));
-    launch_attn(s, a.cap, b, fused);
+    launch_attn(s, a.cap, b);
     CK(cudaStreamSynchronize(stream));
     CK(cudaGetLastError());
     return download(b.mix, n_mix);
@@ -506,33 +503,27 @@ void attention_case(const AttnShape& s, int64_t pos, bool fused) {
   check("kv row", shape, row, want, 1e-2);  // 1e-2: the rounding of an element may flip (the angle's powf)
   if (!others_kept) ++failures;
   std::printf("%-8s %-50s %s\n", "kv rest", shape.c_str(), others_kept ? "ok" : "FAIL");
-  if (!fused) return;
   const std::vector<float> again = run();
   const bool same = std::memcmp(again.data(), mix.data(), n_mix * 4) == 0;
   if (!same) ++failures;
   std::printf("%-8s %-50s %s\n", "again", (shape + ": same mix").c_str(), same ? "ok" : "FAIL");
 }
 
-// Both paths in graphs at pos over `layers` layers' caches (the model's 10 attention layers: 80 MB at 4K,
+// In a graph at pos over `layers` layers' caches (the model's 10 attention layers: 80 MB at 4K,
 // mostly from DRAM like the step's), per layer.
 void attention_time(const AttnShape& s, int64_t pos, int layers) {
   const AttnData a = make_attn_data(s, pos);
   std::vector<std::unique_ptr<AttnDev>> b;
   for (int l = 0; l < layers; ++l) b.push_back(std::make_unique<AttnDev>(a));
   const uint64_t bytes = uint64_t(s.n_kv) * (pos + 1) * s.d * 2 * 2;
-  for (const bool fused : {true, false}) {
-    const double us = graph_us([&] {
-      for (auto& bl : b) launch_attn(s, a.cap, *bl, fused);
-    }, layers);
-    print_time("time", s.name(pos) + (fused ? " fused" : " 3 kernels"), us, bytes);
-  }
+  const double us = graph_us([&] {
+    for (auto& bl : b) launch_attn(s, a.cap, *bl);
+  }, layers);
+  print_time("time", s.name(pos), us, bytes);
 }
 
 void attention_cases(const AttnShape& s, std::initializer_list<int64_t> positions) {
-  for (int64_t pos : positions) {
-    attention_case(s, pos, true);
-    attention_case(s, pos, false);
-  }
+  for (int64_t pos : positions) attention_case(s, pos);
 }
 
 // ---------------------------------------------------------------- argmax

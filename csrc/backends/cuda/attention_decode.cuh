@@ -38,8 +38,8 @@ __host__ __device__ constexpr uint32_t attn_smem_bytes() {
 }
 
 // A warp's split of one KV head's cache, keys [s0, s1), staged a tile at a time into `stage` (its
-// kAttnStages · 2 tiles). `fresh`, the row this launch writes (−1: none), is never read from the cache: its
-// tile row is zero-filled and attend_split writes it from the fresh values.
+// kAttnStages · 2 tiles). `fresh`, the row at pos, is not copied with the tiles (they go out before the kernel
+// that writes it has finished): its tile row is zero-filled and attend_split writes it from the fresh values.
 template <int D>
 struct KvSplit {
   const __nv_bfloat16* K;
@@ -74,7 +74,7 @@ struct KvSplit {
 // against the split's keys, its first kAttnStages tiles already issued. Leaves, for the heads h = 2·(lane % 4)
 // + {0, 1}: the maximum base-2 score m[h] and the sum l[h] of the split (−inf and 0 when it is empty), and the
 // unnormalised output as Oᵀ accumulators, o[t][{0, 1}] at dimension 16·t + lane / 4 and o[t][{2, 3}] at
-// dimension 16·t + lane / 4 + 8. fresh_k / fresh_v: the fresh row's k (as norm_rope_rows left it) and v.
+// dimension 16·t + lane / 4 + 8. fresh_k / fresh_v: the fresh row's k and v.
 template <int D>
 __device__ __forceinline__ void attend_split(const float* q, int G, const KvSplit<D>& kv, const float* fresh_k,
                                              const float* fresh_v, float (&o)[D / 16][4], float (&m)[2],
@@ -154,55 +154,41 @@ __device__ __forceinline__ void attend_split(const float* q, int G, const KvSpli
 // Split s of a decode row holds keys [s·len, (s + 1)·len) ∩ [0, n) (the splits after key n − 1's are empty).
 __device__ __forceinline__ int64_t split_len(int64_t n) { return (n + kDecodeSplits - 1) / kDecodeSplits; }
 
-// Decode's split-KV attention for the row at pos: a warp per (KV head, split) of kDecodeSplits, blocks of
-// kAttnWarps warps (splits of one KV head), attn_smem_bytes of shared memory; a block merges its splits into
-// one partial a query head, part [n_q, kAttnParts], and attention_combine_kernel merges those.
-// Prepare (Fusions::attn_prepare): q_in is q_gate, and the block first normalises and rotates the group's G
-// query heads into shared memory (two heads a warp, after issuing its first tiles); the warp whose split
-// holds key pos also prepares that row's k, writes k and v to the cache and puts them into its tile (as bf16,
-// as every other key is read). Otherwise q_in is qbuf, which attn_prepare_kernel wrote with the cache row.
-// Many small splits and a merge by another kernel measured faster than fewer, longer ones merged inside this
-// kernel by the last block of each KV head (17 / 29 / 63 µs a layer at 127 / 1,023 / 4,095 keys, the last
-// block's merge of up to 32 partials the slow part). As it is (decode_kernels harness, H200, a layer, with the
-// merge): 12.8 / 13.5 / 20.1 µs prepared inside, 10.7 / 11.1 / 16.6 after attn_prepare_kernel (why preparing
-// here costs more than the kernel boundary it saves is not yet known); the CUDA-core kernels before: 22.5 /
-// 28.3 / 51.3 and 18.6 / 25.2 / 44.4.
-template <int D, bool Prepare>
+// Decode's split-KV attention for the row at pos, after attn_prepare_kernel (q normalised and rotated into qbuf,
+// the row at pos written to the cache): a warp per (KV head, split) of kDecodeSplits, blocks of kAttnWarps warps
+// (splits of one KV head), attn_smem_bytes of shared memory; a block merges its splits into one partial a query
+// head, part [n_q, kAttnParts], and attention_combine_kernel merges those. The tiles go out before the wait
+// on attn_prepare_kernel: their rows are earlier steps' (pos is copied in before the step, so no kernel of it
+// writes them), all but the row at pos, whose k the warp holding it reads back from the cache after the wait
+// and puts into its tile with v. Many small splits and a merge by another kernel measured faster than fewer,
+// longer ones merged inside this kernel by the last block of each KV head (17 / 29 / 63 µs a layer at 127 /
+// 1,023 / 4,095 keys). The q/k preparation inside this kernel (Fusions::attn_prepare as one kernel fewer: each
+// of a KV head's blocks normalising and rotating the group's 8 query heads itself) measured slower than
+// attn_prepare_kernel before it: 12.2 / 12.8 / 18.4 µs a layer against 11.6 / 11.7 / 16.1 (harness, H200, with
+// the merge), and 494 / 483 tok/s against 501 / 491 at 128 / 4,096 of context (docs/performance.md,
+// 2026-12-04), so CudaBackend runs attn_prepare_decode as the two.
+template <int D>
 __global__ void __launch_bounds__(kAttnWarps * 32)
-    attention_kernel(const float* q_in, const float* k, const float* v, const float* q_norm, const float* k_norm,
-                     __nv_bfloat16* Kc, __nv_bfloat16* Vc, int64_t cap, const int64_t* pos_dev, int n_q, int n_kv,
-                     int rot, float theta, float eps, float* part) {
+    attention_kernel(const float* q_in, const float* v, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc,
+                     int64_t cap, const int64_t* pos_dev, int n_q, int n_kv, float* part) {
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float qs[Prepare ? kMaxGroup * D : 1], krow[Prepare ? D : 1];
+  __shared__ float krow[D];
   static_assert(kDecodeSplits % kAttnWarps == 0, "a block's splits share their KV head");
   start_next_kernel();
-  if constexpr (!Prepare) wait_previous_kernel();  // attn_prepare_kernel wrote the cache row at pos
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = n_q / n_kv;
   const int split = (blockIdx.x * kAttnWarps + warp) % kDecodeSplits, kvh = blockIdx.x * kAttnWarps / kDecodeSplits;
   const int64_t pos = *pos_dev, n = pos + 1, len = split_len(n), s0 = split * len;
   __nv_bfloat16* stage = reinterpret_cast<__nv_bfloat16*>(smem) + warp * (attn_smem_bytes<D>() / 2 / kAttnWarps);
-  const KvSplit<D> kv{Kc + int64_t(kvh) * cap * D, Vc + int64_t(kvh) * cap * D, s0, min(s0 + len, n),
-                      Prepare ? pos : -1, stage};
+  const KvSplit<D> kv{Kc + int64_t(kvh) * cap * D, Vc + int64_t(kvh) * cap * D, s0, min(s0 + len, n), pos, stage};
   for (int t = 0; t < kAttnStages; ++t) kv.issue(t);
-  // Prepared here, the tiles above go out before the wait: their rows are earlier steps' (the row at pos, this
-  // launch's, is never read from the cache), and pos is copied in before the step, so no kernel of it writes them.
-  if constexpr (Prepare) wait_previous_kernel();
-  const float* q = q_in + int64_t(kvh) * G * D;
-  const float* fresh_v = v + int64_t(kvh) * D;
-  if constexpr (Prepare) {
-    static_assert((kMaxGroup + kAttnWarps - 1) / kAttnWarps + 1 <= kRopeRows && D <= kMaxHeadDim,
-                  "a warp prepares its query heads and k in one norm_rope_rows");
-    const bool holds_pos = kv.s0 <= pos && pos < kv.s1;
-    HeadRows rows;
-    for (int r = warp; r < G; r += kAttnWarps) rows.add(q_in + int64_t(2 * (kvh * G + r)) * D, q_norm, qs + r * D);
-    if (holds_pos) rows.add(k + int64_t(kvh) * D, k_norm, krow);
-    norm_rope_rows(rows, D, pos, rot, theta, eps);
-    if (holds_pos) store_kv_row(krow, fresh_v, Kc, Vc, (int64_t(kvh) * cap + pos) * D, D);
-    __syncthreads();  // qs
-    q = qs;
+  wait_previous_kernel();
+  if (kv.s0 <= pos && pos < kv.s1) {
+    const unsigned short* kr = reinterpret_cast<const unsigned short*>(Kc + (int64_t(kvh) * cap + pos) * D);
+    for (int j = lane; j < D; j += 32) krow[j] = __uint_as_float(uint32_t(__ldcg(kr + j)) << 16);
+    __syncwarp();
   }
   float o[D / 16][4], m[2], l[2];
-  attend_split<D>(q, G, kv, krow, fresh_v, o, m, l);
+  attend_split<D>(q_in + int64_t(kvh) * G * D, G, kv, krow, v + int64_t(kvh) * D, o, m, l);
   // the block's splits merged into one partial a head: each warp's (m, l, o) into shared memory (the stages'
   // memory: every warp is past its last tile), then a thread an output
   float* ob = reinterpret_cast<float*>(smem);  // [kAttnWarps][kMaxGroup][D]
@@ -277,9 +263,9 @@ inline size_t attention_part_floats(int n_q, int d) { return size_t(n_q) * kAttn
 inline cudaError_t allow_attention_decode_smem() {
   cudaError_t e = cudaSuccess;
   auto allow = [&](auto D) {
-    for (auto kernel : {attention_kernel<D(), true>, attention_kernel<D(), false>})
-      if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(attn_smem_bytes<D()>()));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(attention_kernel<D()>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(attn_smem_bytes<D()>()));
   };
   for (int d : {32, 64, 128, 256}) by_head_dim(d, allow);
   return e;

@@ -452,28 +452,16 @@ class CudaBackend final : public Backend {
     });
   }
 
-  // Split-KV attention for the one row (attention_decode.cuh), then the splits merged and gated.
+  // Split-KV attention for the one row (attention_decode.cuh), then the splits merged and gated. (No
+  // attn_prepare_decode of its own: the preparation inside the split kernel measured slower than
+  // attn_prepare_kernel before it, so Backend's, the two ops, serves.)
   void attn_decode(int layer, int64_t pos) override {
     check_pos(pos);
     if (!op()) return;
-    split_attention<false>(layer, qbuf_);
-  }
-
-  // The same with the q/k preparation inside the split kernel: no qbuf, one kernel boundary fewer.
-  void attn_prepare_decode(int layer, int64_t pos) override {
-    check_pos(pos);
-    if (!op()) return;
-    split_attention<true>(layer, act(Act::q_gate));
-  }
-
-  template <bool Prepare>
-  void split_attention(int layer, const float* q_in) {
-    const AttentionWeights& A = m_.layers[layer].attn;
     by_head_dim(c_.head_dim, [&](auto D) {
-      launch_dependent(attention_kernel<D(), Prepare>, c_.n_kv * kDecodeSplits / kAttnWarps, kAttnWarps * 32,
-                       attn_smem_bytes<D()>(), q_in, act(Act::k), act(Act::v), vec(A.q_norm), vec(A.k_norm),
-                       s_->k[layer], s_->v[layer], s_->capacity, pos_dev_, c_.n_q, c_.n_kv, c_.rotary_dim,
-                       c_.rope_theta, c_.rms_eps, attn_part_);
+      launch_dependent(attention_kernel<D()>, c_.n_kv * kDecodeSplits / kAttnWarps, kAttnWarps * 32,
+                       attn_smem_bytes<D()>(), qbuf_, act(Act::v), s_->k[layer], s_->v[layer], s_->capacity,
+                       pos_dev_, c_.n_q, c_.n_kv, attn_part_);
     });
     launch_dependent(attention_combine_kernel, attention_combine_grid(c_.n_q, c_.head_dim), kCombineWarps * 32, 0,
                      attn_part_, c_.head_dim, act(Act::q_gate), act(Act::mix));

@@ -696,59 +696,37 @@ __global__ void rmsnorm_kernel(const float* in, int ldi, float* out, int ldo, co
 // ---------------------------------------------------------------- attention
 
 constexpr int kMaxHeadDim = 256;  // (by_head_dim's largest)
-constexpr int kRopeRows = 3;      // head rows one warp prepares at once: 8 query heads and a k row over 4 warps
 
-// Up to kRopeRows head rows for norm_rope_rows: each one's input, norm weights and output (global or shared).
-struct HeadRows {
-  const float* x[kRopeRows];
-  const float* w[kRopeRows];
-  float* out[kRopeRows];
-  int n = 0;
-  __device__ void add(const float* xr, const float* wr, float* o) { x[n] = xr, w[n] = wr, out[n] = o, ++n; }
-};
-
-// RoPE(RMSNorm(x)·w) of each row at position p (head dim d), by one warp. Every row's loads go out before the
-// first sum, so the rows cost one L2 round trip, not one each (the decode attention waits on these rows before
-// its first tile). The rotation pairs dimensions f and f + rot/2, one lane holding both, so it runs in place;
-// its frequencies θ^(−2f/rot) come from exp2f, not powf.
-__device__ __forceinline__ void norm_rope_rows(const HeadRows& rows, int d, int64_t p, int rot, float theta,
-                                               float eps) {
+// RoPE(RMSNorm(x)·w) of one head row at position p (head dim d) into out, by one warp. The rotation pairs
+// dimensions f and f + rot/2, one lane holding both, so it runs in place; its frequencies θ^(−2f/rot) come from
+// exp2f, not powf.
+__device__ __forceinline__ void norm_rope_row(const float* x, const float* w, float* out, int d, int64_t p, int rot,
+                                              float theta, float eps) {
   constexpr int V = kMaxHeadDim / 32;
   const int lane = threadIdx.x & 31;
-  float v[kRopeRows][V];
+  float v[V];
 #pragma unroll
-  for (int r = 0; r < kRopeRows; ++r)
+  for (int i = 0; i < V; ++i) v[i] = lane + 32 * i < d ? x[lane + 32 * i] : 0.f;
+  float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[r][i] = r < rows.n && lane + 32 * i < d ? rows.x[r][lane + 32 * i] : 0.f;
+  for (int i = 0; i < V; ++i) ss = fmaf(v[i], v[i], ss);
+  const float inv = rsqrtf(warp_sum(ss) / float(d) + eps);
 #pragma unroll
-  for (int r = 0; r < kRopeRows; ++r) {
-    if (r >= rows.n) break;
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < V; ++i) ss = fmaf(v[r][i], v[r][i], ss);
-    const float inv = rsqrtf(warp_sum(ss) / float(d) + eps);
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      if (lane + 32 * i < d) rows.out[r][lane + 32 * i] = v[r][i] * inv * rows.w[r][lane + 32 * i];
-  }
+  for (int i = 0; i < V; ++i)
+    if (lane + 32 * i < d) out[lane + 32 * i] = v[i] * inv * w[lane + 32 * i];
   __syncwarp();
   const int half = rot / 2;
   const float log2_theta = log2f(theta);
   for (int f = lane; f < half; f += 32) {
     float s, c;
     sincosf(float(p) * exp2f(float(-2 * f) / float(rot) * log2_theta), &s, &c);
-#pragma unroll
-    for (int r = 0; r < kRopeRows; ++r) {
-      if (r >= rows.n) break;
-      float* o = rows.out[r];
-      const float a = o[f], b = o[f + half];
-      o[f] = a * c - b * s, o[f + half] = b * c + a * s;
-    }
+    const float a = out[f], b = out[f + half];
+    out[f] = a * c - b * s, out[f + half] = b * c + a * s;
   }
   __syncwarp();
 }
 
-// A KV cache row (element offset `at`) ← k (as norm_rope_rows left it) and v, both rounded to bf16, by one warp.
+// A KV cache row (element offset `at`) ← k (as norm_rope_row left it) and v, both rounded to bf16, by one warp.
 __device__ __forceinline__ void store_kv_row(const float* k, const float* v, __nv_bfloat16* Kc, __nv_bfloat16* Vc,
                                              int64_t at, int d) {
   for (int j = threadIdx.x & 31; j < d; j += 32)
@@ -770,15 +748,12 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
   if (h >= n_q + n_kv) return;
   const int64_t p = *pos_dev + t;
   if (h < n_q) {
-    HeadRows q;
-    q.add(q_gate + (int64_t(t) * 2 * n_q + 2 * h) * d, q_norm, qbuf + (int64_t(t) * n_q + h) * d);
-    norm_rope_rows(q, d, p, rot, theta, eps);
+    norm_rope_row(q_gate + (int64_t(t) * 2 * n_q + 2 * h) * d, q_norm, qbuf + (int64_t(t) * n_q + h) * d, d, p, rot,
+                  theta, eps);
   } else {
     const int kvh = h - n_q;
     float* row = krows + warp * d;
-    HeadRows kr;
-    kr.add(k + (int64_t(t) * n_kv + kvh) * d, k_norm, row);
-    norm_rope_rows(kr, d, p, rot, theta, eps);
+    norm_rope_row(k + (int64_t(t) * n_kv + kvh) * d, k_norm, row, d, p, rot, theta, eps);
     store_kv_row(row, v + (int64_t(t) * n_kv + kvh) * d, Kc, Vc, (int64_t(kvh) * cap + p) * d, d);
   }
 }
