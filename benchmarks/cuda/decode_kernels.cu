@@ -460,8 +460,8 @@ void launch_attn(const AttnShape& s, int64_t cap, const AttnDev& b) {
          s.n_kv, s.d, s.rot, kRopeTheta, kRmsEps);
   by_head_dim(s.d, [&](auto D) {
     launch(attention_kernel<D()>, s.n_kv * kDecodeSplits / kAttnWarps, kAttnWarps * 32, attn_smem_bytes<D()>(),
-           (const float*)b.qbuf, (const float*)b.v, (const __nv_bfloat16*)b.K, (const __nv_bfloat16*)b.V, cap,
-           (const int64_t*)b.pos, s.n_q, s.n_kv, b.part);
+           (const float*)b.qbuf, (const __nv_bfloat16*)b.K, (const __nv_bfloat16*)b.V, cap, (const int64_t*)b.pos,
+           s.n_q, s.n_kv, b.part);
   });
   launch(attention_combine_kernel, attention_combine_grid(s.n_q, s.d), kCombineWarps * 32, 0, b.part, s.d,
          b.q_gate, b.mix);

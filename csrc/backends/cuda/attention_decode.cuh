@@ -39,7 +39,8 @@ __host__ __device__ constexpr uint32_t attn_smem_bytes() {
 
 // A warp's split of one KV head's cache, keys [s0, s1), staged a tile at a time into `stage` (its
 // kAttnStages · 2 tiles). `fresh`, the row at pos, is not copied with the tiles (they go out before the kernel
-// that writes it has finished): its tile row is zero-filled and attend_split writes it from the fresh values.
+// that writes it has finished): its tile row is zero-filled, and attend_split copies it from the cache once
+// that kernel is done.
 template <int D>
 struct KvSplit {
   const __nv_bfloat16* K;
@@ -74,11 +75,10 @@ struct KvSplit {
 // against the split's keys, its first kAttnStages tiles already issued. Leaves, for the heads h = 2·(lane % 4)
 // + {0, 1}: the maximum base-2 score m[h] and the sum l[h] of the split (−inf and 0 when it is empty), and the
 // unnormalised output as Oᵀ accumulators, o[t][{0, 1}] at dimension 16·t + lane / 4 and o[t][{2, 3}] at
-// dimension 16·t + lane / 4 + 8. fresh_k / fresh_v: the fresh row's k and v.
+// dimension 16·t + lane / 4 + 8. Called after the wait on the kernel that wrote the cache's row kv.fresh.
 template <int D>
-__device__ __forceinline__ void attend_split(const float* q, int G, const KvSplit<D>& kv, const float* fresh_k,
-                                             const float* fresh_v, float (&o)[D / 16][4], float (&m)[2],
-                                             float (&l)[2]) {
+__device__ __forceinline__ void attend_split(const float* q, int G, const KvSplit<D>& kv, float (&o)[D / 16][4],
+                                             float (&m)[2], float (&l)[2]) {
   constexpr int P = attn_pitch<D>(), KS = D / 16;
   const int lane = threadIdx.x & 31, gq = lane >> 2, tq = lane & 3;
   const float scale = rsqrtf(float(D)) * 1.4426950408889634f;
@@ -107,8 +107,11 @@ __device__ __forceinline__ void attend_split(const float* q, int G, const KvSpli
     __nv_bfloat16 *kt = kv.k_tile(t), *vt = kv.v_tile(t);
     if (kv.fresh >= base && kv.fresh < base + kAttnTileKeys) {
       const int r = int(kv.fresh - base);
-      for (int j = lane; j < D; j += 32)
-        kt[r * P + j] = __float2bfloat16(fresh_k[j]), vt[r * P + j] = __float2bfloat16(fresh_v[j]);
+      const unsigned short* fk = reinterpret_cast<const unsigned short*>(kv.K + kv.fresh * D);
+      const unsigned short* fv = reinterpret_cast<const unsigned short*>(kv.V + kv.fresh * D);
+      unsigned short* kr = reinterpret_cast<unsigned short*>(kt + r * P);
+      unsigned short* vr = reinterpret_cast<unsigned short*>(vt + r * P);
+      for (int j = lane; j < D; j += 32) kr[j] = __ldcg(fk + j), vr[j] = __ldcg(fv + j);  // through L2
       __syncwarp();
     }
     float s[4] = {0.f, 0.f, 0.f, 0.f};  // Sᵀ: keys base + gq ({0, 1}) and + 8 ({2, 3}), heads 2·tq + {0, 1}
@@ -159,8 +162,7 @@ __device__ __forceinline__ int64_t split_len(int64_t n) { return (n + kDecodeSpl
 // (splits of one KV head), attn_smem_bytes of shared memory; a block merges its splits into one partial a query
 // head, part [n_q, kAttnParts], and attention_combine_kernel merges those. The tiles go out before the wait
 // on attn_prepare_kernel: their rows are earlier steps' (pos is copied in before the step, so no kernel of it
-// writes them), all but the row at pos, whose k the warp holding it reads back from the cache after the wait
-// and puts into its tile with v. Many small splits and a merge by another kernel measured faster than fewer,
+// writes them), all but the row at pos, which the warp holding it copies from the cache after the wait. Many small splits and a merge by another kernel measured faster than fewer,
 // longer ones merged inside this kernel by the last block of each KV head (17 / 29 / 63 µs a layer at 127 /
 // 1,023 / 4,095 keys). The q/k preparation inside this kernel (Fusions::attn_prepare as one kernel fewer: each
 // of a KV head's blocks normalising and rotating the group's 8 query heads itself) measured slower than
@@ -169,10 +171,9 @@ __device__ __forceinline__ int64_t split_len(int64_t n) { return (n + kDecodeSpl
 // 2026-12-04), so CudaBackend runs attn_prepare_decode as the two.
 template <int D>
 __global__ void __launch_bounds__(kAttnWarps * 32)
-    attention_kernel(const float* q_in, const float* v, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc,
-                     int64_t cap, const int64_t* pos_dev, int n_q, int n_kv, float* part) {
+    attention_kernel(const float* q_in, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc, int64_t cap,
+                     const int64_t* pos_dev, int n_q, int n_kv, float* part) {
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float krow[D];
   static_assert(kDecodeSplits % kAttnWarps == 0, "a block's splits share their KV head");
   start_next_kernel();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = n_q / n_kv;
@@ -182,13 +183,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const KvSplit<D> kv{Kc + int64_t(kvh) * cap * D, Vc + int64_t(kvh) * cap * D, s0, min(s0 + len, n), pos, stage};
   for (int t = 0; t < kAttnStages; ++t) kv.issue(t);
   wait_previous_kernel();
-  if (kv.s0 <= pos && pos < kv.s1) {
-    const unsigned short* kr = reinterpret_cast<const unsigned short*>(Kc + (int64_t(kvh) * cap + pos) * D);
-    for (int j = lane; j < D; j += 32) krow[j] = __uint_as_float(uint32_t(__ldcg(kr + j)) << 16);
-    __syncwarp();
-  }
   float o[D / 16][4], m[2], l[2];
-  attend_split<D>(q_in + int64_t(kvh) * G * D, G, kv, krow, v + int64_t(kvh) * D, o, m, l);
+  attend_split<D>(q_in + int64_t(kvh) * G * D, G, kv, o, m, l);
   // the block's splits merged into one partial a head: each warp's (m, l, o) into shared memory (the stages'
   // memory: every warp is past its last tile), then a thread an output
   float* ob = reinterpret_cast<float*>(smem);  // [kAttnWarps][kMaxGroup][D]

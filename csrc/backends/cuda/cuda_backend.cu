@@ -460,8 +460,8 @@ class CudaBackend final : public Backend {
     if (!op()) return;
     by_head_dim(c_.head_dim, [&](auto D) {
       launch_dependent(attention_kernel<D()>, c_.n_kv * kDecodeSplits / kAttnWarps, kAttnWarps * 32,
-                       attn_smem_bytes<D()>(), qbuf_, act(Act::v), s_->k[layer], s_->v[layer], s_->capacity,
-                       pos_dev_, c_.n_q, c_.n_kv, attn_part_);
+                       attn_smem_bytes<D()>(), qbuf_, s_->k[layer], s_->v[layer], s_->capacity, pos_dev_, c_.n_q,
+                       c_.n_kv, attn_part_);
     });
     launch_dependent(attention_combine_kernel, attention_combine_grid(c_.n_q, c_.head_dim), kCombineWarps * 32, 0,
                      attn_part_, c_.head_dim, act(Act::q_gate), act(Act::mix));
