@@ -346,3 +346,48 @@ def test_device_sampler_steps_feed_back(temperature, rng):
     assert len(set(want)) > 1
     np.testing.assert_array_equal(r["counts"][0], np.bincount(want, minlength=V))
     np.testing.assert_array_equal(np.flatnonzero(r["seen"][0]), sorted(set(want) | {1, 2, 3}))
+
+
+@needs_device
+def test_memory_by_role(ids):
+    """Engine.memory() on CUDA, through the ledger the Metal backends use: the weights as copied to the device
+    (every tensor of the checkpoint at least once), each session's KV cache (bf16, rows in steps of 1,024) and GDN
+    states (fp32, two copies of each layer's conv and recurrent state) at their exact sizes, gone with the
+    session; peaks that hold the most (a cache growing holds its old rows and the new at once) and restart from
+    what is live on reset_peak."""
+    import gc
+    path = tm.get_model(tm.BASE, "mlx_q4_bf16")
+    e = lily.Engine.from_pretrained(path, backend="cuda", prefill_chunk=16)
+    c = e.config
+    n_attn = sum(t == "full_attention" for t in c.layer_types)
+    n_gdn = c.num_hidden_layers - n_attn
+    state = n_gdn * 2 * 4 * ((c.linear_conv_kernel_dim - 1) * c.conv_dim +
+                             c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim)
+    cache = c.num_key_value_heads * 1024 * c.head_dim * 2  # one layer's k (or v) at 1,024 rows
+    kv_1024 = n_attn * 2 * cache
+    file_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    base = e.memory()["live"]
+    assert base["kv"] == 0 and base["state"] == 0, base
+    assert base["weights"] >= 0.9 * file_bytes, (base["weights"], file_bytes)
+    assert base["activations"] > 0 and base["io"] > 0, base
+    prompt, decode_ids = ids
+    e.memory(reset_peak=True)
+    s = e.new_session()
+    e.prefill(prompt, s)
+    e.prefill(decode_ids[:1], s)  # a decode step
+    live = e.memory()["live"]
+    assert live["state"] == state and live["kv"] == kv_1024, (live, state, kv_1024)
+    assert live["weights"] == base["weights"]
+    s2 = e.new_session()
+    e.prefill(list(range(1100)), s2)  # past 1,024 rows: its cache grows to 2,048
+    m = e.memory()
+    assert m["live"]["kv"] == 3 * kv_1024 and m["live"]["state"] == 2 * state, m["live"]
+    assert m["peak"]["kv"] >= m["live"]["kv"] + cache and m["peak_total"] >= m["live_total"], m
+    peak_kv = m["peak"]["kv"]
+    del s, s2
+    gc.collect()
+    after = e.memory()
+    assert after["live"]["kv"] == 0 and after["live"]["state"] == 0, after["live"]
+    assert after["peak"]["kv"] == peak_kv
+    e.memory(reset_peak=True)
+    assert e.memory()["peak"] == e.memory()["live"]

@@ -273,16 +273,16 @@ void init_engine(nb::module_& m) {
             // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total"}: device memory the
             // backend allocated (mapped weight files not included); GPU backends only ({} otherwise).
             nb::dict d;
-            auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
+            auto* mb = dynamic_cast<gpu::MemoryReport*>(&e.backend());
             if (!mb) return d;
-            const gpu::Memory m = mb->device().memory();
+            const gpu::Memory m = mb->memory();
             nb::dict live, peak;
             for (int r = 0; r < int(gpu::Role::count); ++r) {
               live[gpu::role_name(gpu::Role(r))] = m.live[r];
               peak[gpu::role_name(gpu::Role(r))] = m.peak[r];
             }
             d["live"] = live, d["peak"] = peak, d["live_total"] = m.live_total, d["peak_total"] = m.peak_total;
-            if (reset_peak) mb->device().reset_peak_memory();
+            if (reset_peak) mb->reset_peak_memory();
             return d;
           },
           nb::arg("reset_peak") = false)

@@ -310,7 +310,8 @@ class Engine:
         "live_total": n, "peak_total": n}; the peaks are the most held at once since the engine was made or
         since the last call with reset_peak=True. Activations (the chunk's intermediates and scratch) and io
         (logits, token ids) are the temporaries, bounded by prefill_chunk rather than the prompt; kv and state
-        belong to sessions; mapped weight files are not counted. Metal backends only; {} otherwise."""
+        belong to sessions; mapped weight files are not counted (cuda copies the weights to the device: they
+        count under weights). GPU backends (metal, metal-emu, cuda); {} otherwise."""
         return self._core.memory(reset_peak)
 
     def new_session(self, **kwargs) -> Session:

@@ -36,6 +36,7 @@
 #include "gemm.cuh"
 #include "kernels.cuh"
 #include "sample.cuh"
+#include "../gpu/device.h"
 #include "../gpu/sample_args.h"
 
 namespace lily::cuda {
@@ -52,6 +53,37 @@ T* device_alloc(size_t n) {
   if (n) CK(cudaMalloc(&p, n * sizeof(T)));
   return static_cast<T*>(p);
 }
+
+// The device memory a backend and its states hold, by role, in the ledger gpu/device.h keeps for Metal's
+// buffers too (Engine.memory()): their cudaMallocs go through alloc, their cudaFrees through release.
+class DeviceMemory {
+ public:
+  template <class T>
+  T* alloc(size_t n, gpu::Role role) {
+    T* p = device_alloc<T>(n);
+    if (p) {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_[p] = {role, n * sizeof(T)};
+      ledger_.add(role, n * sizeof(T));
+    }
+    return p;
+  }
+  void release(void* p) {
+    if (!p) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto it = held_.find(p);
+      if (it != held_.end()) ledger_.release(it->second.first, it->second.second), held_.erase(it);
+    }
+    cudaFree(p);
+  }
+  gpu::MemoryLedger& ledger() { return ledger_; }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<void*, std::pair<gpu::Role, uint64_t>> held_;
+  gpu::MemoryLedger ledger_;
+};
 
 int param_dtype(DType t, const std::string& name) {
   switch (t) {
@@ -70,20 +102,22 @@ struct CudaState final : State {
   std::vector<float*> conv[2], rec[2];  // GDN layers, two copies: [k_c - 1, C], [n_v, d_k, d_v]
   int cur = 0;                          // the copy holding the state at pos; a submission writes the other
   bool undoable = false;                // the last submission on it was a decode step (rollback)
+  std::shared_ptr<DeviceMemory> mem;    // where its buffers come from (the backend's: a state may outlive it)
+  explicit CudaState(std::shared_ptr<DeviceMemory> m) : mem(std::move(m)) {}
   static uint64_t next_serial() {
     static uint64_t n = 0;
     return ++n;
   }
   ~CudaState() override {
     for (auto* vec : {&k, &v})
-      for (auto* p : *vec) cudaFree(p);
+      for (auto* p : *vec) mem->release(p);
     for (int c = 0; c < 2; ++c)
       for (auto* vec : {&conv[c], &rec[c]})
-        for (auto* p : *vec) cudaFree(p);
+        for (auto* p : *vec) mem->release(p);
   }
 };
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public Backend, public gpu::MemoryReport {
  public:
   CudaBackend(const Model& m, int max_rows, bool pipeline)
       : m_(m), c_(m.config()), rows_(max_rows), pipeline_(pipeline) {
@@ -107,66 +141,72 @@ class CudaBackend final : public Backend {
     upload_weights();
     for (int a = 0; a < int(Act::count); ++a) {
       width_[a] = act_width(c_, Act(a));
-      if (a != int(Act::logits)) act_[a] = device_alloc<float>(size_t(rows_) * width_[a]);  // logits_ instead
+      if (a != int(Act::logits)) act_[a] = scratch<float>(size_t(rows_) * width_[a]);  // logits_ instead
     }
     grow_logits(1);
     const int K = c_.top_k, E = c_.experts, TK = rows_ * K, H = c_.hidden, I = c_.moe_inter;
     imax_ = std::max(I, c_.shared_inter);
-    qbuf_ = device_alloc<float>(size_t(rows_) * c_.n_q * c_.head_dim);
-    conv_out_ = device_alloc<float>(size_t(rows_) * c_.conv_dim());
-    gdn_packs_ = device_alloc<float>(size_t((rows_ + kGdnChunk - 1) / kGdnChunk) * c_.lin_nv *
-                                     gdn_pack_floats(c_.lin_dk, c_.lin_dv));
-    attn_part_ = device_alloc<float>(attention_part_floats(c_.n_q, c_.head_dim));
-    router_ = device_alloc<float>(size_t(rows_) * E);
-    shared_logit_ = device_alloc<float>(rows_);
-    route_ids_ = device_alloc<int32_t>(TK);
-    route_w_ = device_alloc<float>(TK);
-    counts_ = device_alloc<int>(E);
-    offsets_ = device_alloc<int>(E);
-    perm_ = device_alloc<int>(TK);
-    inv_ = device_alloc<int>(TK);
-    g_ = device_alloc<float>(size_t(TK) * imax_);
-    u_ = device_alloc<float>(size_t(TK) * imax_);
-    hbuf_ = device_alloc<float>(size_t(TK) * imax_);
-    ybuf_ = device_alloc<float>(size_t(TK) * H);
-    sy_ = device_alloc<float>(size_t(rows_) * H);
-    tokens_ = device_alloc<int32_t>(rows_);
-    tok_slots_ = device_alloc<int32_t>(2);
+    qbuf_ = scratch<float>(size_t(rows_) * c_.n_q * c_.head_dim);
+    conv_out_ = scratch<float>(size_t(rows_) * c_.conv_dim());
+    gdn_packs_ = scratch<float>(size_t((rows_ + kGdnChunk - 1) / kGdnChunk) * c_.lin_nv *
+                                gdn_pack_floats(c_.lin_dk, c_.lin_dv));
+    attn_part_ = scratch<float>(attention_part_floats(c_.n_q, c_.head_dim));
+    router_ = scratch<float>(size_t(rows_) * E);
+    shared_logit_ = scratch<float>(rows_);
+    route_ids_ = scratch<int32_t>(TK);
+    route_w_ = scratch<float>(TK);
+    counts_ = scratch<int>(E);
+    offsets_ = scratch<int>(E);
+    perm_ = scratch<int>(TK);
+    inv_ = scratch<int>(TK);
+    g_ = scratch<float>(size_t(TK) * imax_);
+    u_ = scratch<float>(size_t(TK) * imax_);
+    hbuf_ = scratch<float>(size_t(TK) * imax_);
+    ybuf_ = scratch<float>(size_t(TK) * H);
+    sy_ = scratch<float>(size_t(rows_) * H);
+    tokens_ = mem_->alloc<int32_t>(rows_, gpu::Role::io);
+    tok_slots_ = mem_->alloc<int32_t>(2, gpu::Role::io);
     CK(cudaHostAlloc(reinterpret_cast<void**>(&host_tok_), 2 * sizeof(int32_t), cudaHostAllocDefault));
     for (cudaEvent_t& e : done_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    argmax_slot_ = device_alloc<ArgmaxSlot>(1);
+    argmax_slot_ = scratch<ArgmaxSlot>(1);
     CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
-    moe_counts_ = device_alloc<unsigned>(kMoeCounts);
+    moe_counts_ = scratch<unsigned>(kMoeCounts);
     CK(cudaMemset(moe_counts_, 0, kMoeCounts * sizeof(unsigned)));
-    pos_dev_ = device_alloc<int64_t>(1);
-    sample_args_dev_ = device_alloc<SampleArgs>(1);
-    seen_dev_ = device_alloc<uint8_t>(c_.vocab);
-    counts_dev_ = device_alloc<int32_t>(c_.vocab);
+    pos_dev_ = scratch<int64_t>(1);
+    sample_args_dev_ = mem_->alloc<SampleArgs>(1, gpu::Role::io);
+    seen_dev_ = mem_->alloc<uint8_t>(c_.vocab, gpu::Role::io);
+    counts_dev_ = mem_->alloc<int32_t>(c_.vocab, gpu::Role::io);
   }
 
   ~CudaBackend() override {
     drop_graphs();
     cudaStreamSynchronize(stream_);
-    cudaFree(arena_);
-    for (float* p : act_) cudaFree(p);
-    for (float* p : logits_) cudaFree(p);
+    mem_->release(arena_);
+    for (float* p : act_) mem_->release(p);
+    for (float* p : logits_) mem_->release(p);
     for (cudaEvent_t e : done_) cudaEventDestroy(e);
     cudaFreeHost(host_tok_);
     for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
                                                 route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
                                                 ybuf_, sy_, tokens_, tok_slots_, pos_dev_, argmax_slot_, sample_args_dev_,
                                                 seen_dev_, counts_dev_, moe_counts_})
-      cudaFree(p);
+      mem_->release(p);
     cudaStreamDestroy(stream_);
   }
 
   std::string name() const override { return "cuda"; }
   int max_rows() const override { return rows_; }
+  gpu::Memory memory() const override { return mem_->ledger().memory(); }
+  template <class T>
+  T* scratch(size_t n) {  // a chunk's or a step's intermediates
+    return mem_->alloc<T>(n, gpu::Role::activations);
+  }
+  void reset_peak_memory() override { mem_->ledger().reset_peak(); }
 
   // ---------------------------------------------------------------- state
 
   std::unique_ptr<State> new_state() override {
-    auto s = std::make_unique<CudaState>();
+    auto s = std::make_unique<CudaState>(mem_);
     s->k.assign(c_.layers, nullptr);
     s->v.assign(c_.layers, nullptr);
     for (int c = 0; c < 2; ++c) {
@@ -174,8 +214,8 @@ class CudaBackend final : public Backend {
       s->rec[c].assign(c_.layers, nullptr);
       for (int i = 0; i < c_.layers; ++i) {
         if (c_.is_attention(i)) continue;
-        s->conv[c][i] = device_alloc<float>(conv_size());
-        s->rec[c][i] = device_alloc<float>(rec_size());
+        s->conv[c][i] = mem_->alloc<float>(conv_size(), gpu::Role::state);
+        s->rec[c][i] = mem_->alloc<float>(rec_size(), gpu::Role::state);
         CK(cudaMemsetAsync(s->conv[c][i], 0, conv_size() * 4, stream_));
         CK(cudaMemsetAsync(s->rec[c][i], 0, rec_size() * 4, stream_));
       }
@@ -192,12 +232,12 @@ class CudaBackend final : public Backend {
     for (int i = 0; i < c_.layers; ++i) {
       if (!c_.is_attention(i)) continue;
       for (auto* cache : {&s.k[i], &s.v[i]}) {
-        __nv_bfloat16* grown = device_alloc<__nv_bfloat16>(size_t(c_.n_kv) * cap * d);
+        __nv_bfloat16* grown = mem_->alloc<__nv_bfloat16>(size_t(c_.n_kv) * cap * d, gpu::Role::kv);
         if (s.capacity && s.pos)
           CK(cudaMemcpy2DAsync(grown, cap * d * 2, *cache, s.capacity * d * 2, s.pos * d * 2, c_.n_kv,
                                cudaMemcpyDeviceToDevice, stream_));
         CK(cudaStreamSynchronize(stream_));
-        cudaFree(*cache);
+        mem_->release(*cache);
         *cache = grown;
       }
     }
@@ -703,7 +743,7 @@ class CudaBackend final : public Backend {
   void upload_weights() {
     sizing_ = true;
     upload_walk();
-    CK(cudaMalloc(reinterpret_cast<void**>(&arena_), arena_used_ + 256));  // + a tile copy's rounding
+    arena_ = mem_->alloc<uint8_t>(arena_used_ + 256, gpu::Role::weights);  // + a tile copy's rounding
     sizing_ = false;
     arena_used_ = 0;
     upload_walk();
@@ -827,8 +867,8 @@ class CudaBackend final : public Backend {
     if (rows <= logit_rows_) return;
     CK(cudaStreamSynchronize(stream_));
     for (float*& l : logits_) {
-      cudaFree(l);
-      l = device_alloc<float>(size_t(rows) * c_.vocab);
+      mem_->release(l);
+      l = mem_->alloc<float>(size_t(rows) * c_.vocab, gpu::Role::io);
     }
     logit_rows_ = rows;
     drop_graphs();  // the decode graphs read and select from the logits rows they were captured with
@@ -853,6 +893,7 @@ class CudaBackend final : public Backend {
   const ModelConfig& c_;
   const int rows_;
   cudaStream_t stream_ = nullptr;
+  std::shared_ptr<DeviceMemory> mem_ = std::make_shared<DeviceMemory>();  // every allocation, by role
   uint8_t* arena_ = nullptr;  // every weight (upload_weights)
   uint64_t arena_used_ = 0;
   bool sizing_ = false;

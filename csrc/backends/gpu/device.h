@@ -143,6 +143,15 @@ class Encoder {
   uint64_t per_kernel_[kMaxKernels] = {};
 };
 
+// The device memory a backend allocated, by role, as Engine.memory() reports it: GpuBackend's through its
+// Device, the CUDA backend's through a MemoryLedger of its own.
+class MemoryReport {
+ public:
+  virtual ~MemoryReport() = default;
+  virtual Memory memory() const = 0;
+  virtual void reset_peak_memory() = 0;  // peaks restart from what is live
+};
+
 class CommandBuffer {
  public:
   virtual ~CommandBuffer() = default;

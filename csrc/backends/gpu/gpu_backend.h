@@ -27,11 +27,13 @@ struct GdnStates {
   View conv_in, rec_in, conv_out, rec_out;
 };
 
-class GpuBackend : public Backend {
+class GpuBackend : public Backend, public MemoryReport {
  public:
   // What the device spent on the last prefill chunk / decode step (cumulative = every one since creation).
   Counters counters(Phase phase, bool cumulative) const { return cumulative ? total_[int(phase)] : last_[int(phase)]; }
   Device& device() { return *dev_; }
+  Memory memory() const override { return dev_->memory(); }
+  void reset_peak_memory() override { dev_->reset_peak_memory(); }
   virtual const char* kernel_label(KernelIndex kernel) const = 0;  // the name of a kernel of Counters
 
   std::string name() const override { return dev_->name(); }
