@@ -6,8 +6,8 @@ sampled and penalised tokens, selected on the device inside the decode graph, eq
 (lily.Sampler) drawing from the same CUDA logits, also over several generations replaying one graph. The device
 sampler (sample.cuh) alone against the host sampler with test_sample.py's criterion. Two decode steps in flight
 equal to one at a time, and the step run ahead undone on a stop. Two engines decoding at once from two threads.
-Runs where a CUDA device is present and skips with lily.backend_unavailable's reason otherwise; the build check
-runs everywhere.
+Engine.memory() by role at the sizes the states and caches have. Runs where a CUDA device is present and skips
+with lily.backend_unavailable's reason otherwise; the build check runs everywhere.
 """
 import shutil
 
