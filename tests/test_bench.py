@@ -151,7 +151,24 @@ def test_bench_reference_backend_has_no_counters():
     e = lily.Engine.from_pretrained("synthetic:tiny")
     res = bench.run_bench(e, lengths=[8], contexts=[8], decode_tokens=1, repeats=1, warmup=0, counters=True,
                           progress=False)
-    assert res["counters"] is None
+    assert res["counters"] is None and res["device_memory"] is None
+    assert "device memory" not in bench.format_table(res)
+
+
+def test_bench_device_memory(gpu_backend):
+    """On a GPU backend the JSON has Engine.memory() with the run's peaks (reset when the run starts), and the
+    table its peak by role."""
+    e = lily.Engine.from_pretrained("synthetic:tiny", backend=gpu_backend)
+    s = e.new_session()
+    e.prefill(list(range(300)), s)  # a session held before the run: live, not part of the run's peak growth
+    res = bench.run_bench(e, lengths=[8], contexts=[8], decode_tokens=2, repeats=1, warmup=0, progress=False)
+    d = res["device_memory"]
+    assert set(d) == {"live", "peak", "live_total", "peak_total"}
+    assert d["live"]["kv"] == e.memory()["live"]["kv"] > 0  # the held session's cache
+    assert d["peak"]["kv"] > d["live"]["kv"] and d["peak"]["activations"] > 0  # the run's sessions came and went
+    assert d["peak_total"] >= d["live_total"]
+    assert "peak device memory (lily)" in bench.format_table(res)
+    json.dumps(res)
 
 
 def test_missing_optional_packages_are_named(monkeypatch, tmp_path):

@@ -22,7 +22,8 @@ Method (the write-up's sweep):
 * Memory: a sampler thread reads /proc/self/status every 10 ms (Linux): peak VmRSS and peak RssAnon (anonymous
   memory: weights are memory-mapped, so their touched pages count in RSS but are page cache, not allocations).
   Both engines share the process with --vs, so the peak is the process's; per-engine figures are the peaks seen
-  while that engine ran.
+  while that engine ran. On a GPU backend (metal, metal-emu, cuda) also ``Engine.memory()``: the device memory
+  lily allocated, by role, its peak over the run (on cuda the weights live there, not in RSS).
 * Lengths are capped by the model's context limit and by an estimate of the memory a length needs (KV caches of
   the session and its fork, for each engine, plus MLX's attention scores for one prefill step) against the
   available memory; skipped lengths are reported with the reason.
@@ -387,6 +388,9 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
     result: dict = {"prefill": [], "decode": []}
     counter_out: dict = {"prefill": {}, "decode": {}}
     use_counters = counters and bool(engine.counters())
+    device_memory = bool(engine.memory())
+    if device_memory:
+        engine.memory(reset_peak=True)  # the run's peak
     total = (len(lengths) * repeats + len(contexts) * (repeats + 1)) * len(runners) + (
         warmup * len(runners) * (bool(lengths) + bool(contexts)))
     bar = progress_bar(total, progress)
@@ -485,6 +489,7 @@ def run_bench(engine, *, lengths=DEFAULT_LENGTHS, contexts=None, decode_tokens: 
         "decode": result["decode"],
         "ratio_mean": None,
         "memory": mem.report(),
+        "device_memory": engine.memory() if device_memory else None,
         "skipped": skipped,
         "order": order,
         "interrupted": interrupted,
@@ -548,6 +553,10 @@ def format_table(res: dict) -> str:
     m = res["memory"]
     anon = f", anonymous {m['peak_anon_rss_mb']:,.0f} MB" if m.get("peak_anon_rss_mb") is not None else ""
     lines.append(f"peak memory: RSS {m['peak_rss_mb']:,.0f} MB (includes touched pages of the mapped weights){anon}")
+    d = res.get("device_memory")
+    if d:
+        roles = ", ".join(f"{r} {b / 2**20:,.1f}" for r, b in d["peak"].items())
+        lines.append(f"peak device memory (lily): {d['peak_total'] / 2**20:,.1f} MB ({roles} MB)")
     for s in res["skipped"]:
         lines.append(f"skipped {s['phase']} {s['length']}: {s['reason']}")
     return "\n".join(lines)
