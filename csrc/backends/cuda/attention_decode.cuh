@@ -157,18 +157,18 @@ __device__ __forceinline__ void attend_split(const float* q, int G, const KvSpli
 // Split s of a decode row holds keys [s·len, (s + 1)·len) ∩ [0, n) (the splits after key n − 1's are empty).
 __device__ __forceinline__ int64_t split_len(int64_t n) { return (n + kDecodeSplits - 1) / kDecodeSplits; }
 
-// Decode's split-KV attention for the row at pos, after attn_prepare_kernel (q normalised and rotated into qbuf,
-// the row at pos written to the cache): a warp per (KV head, split) of kDecodeSplits, blocks of kAttnWarps warps
-// (splits of one KV head), attn_smem_bytes of shared memory; a block merges its splits into one partial a query
-// head, part [n_q, kAttnParts], and attention_combine_kernel merges those. The tiles go out before the wait
-// on attn_prepare_kernel: their rows are earlier steps' (pos is copied in before the step, so no kernel of it
-// writes them), all but the row at pos, which the warp holding it copies from the cache after the wait. Many small splits and a merge by another kernel measured faster than fewer,
-// longer ones merged inside this kernel by the last block of each KV head (17 / 29 / 63 µs a layer at 127 /
-// 1,023 / 4,095 keys). The q/k preparation inside this kernel (Fusions::attn_prepare as one kernel fewer: each
-// of a KV head's blocks normalising and rotating the group's 8 query heads itself) measured slower than
-// attn_prepare_kernel before it: 12.2 / 12.8 / 18.4 µs a layer against 11.6 / 11.7 / 16.1 (harness, H200, with
-// the merge), and 494 / 483 tok/s against 501 / 491 at 128 / 4,096 of context (docs/performance.md,
-// 2026-12-04), so CudaBackend runs attn_prepare_decode as the two.
+// Decode's split-KV attention for the row at pos, after attn_prepare_kernel (q normalised and rotated into qbuf, the
+// row at pos written to the cache): a warp per (KV head, split) of kDecodeSplits, blocks of kAttnWarps warps (splits of
+// one KV head), attn_smem_bytes of shared memory; a block merges its splits into one partial a query head, part [n_q,
+// kAttnParts], and attention_combine_kernel merges those. The tiles go out before the wait on attn_prepare_kernel:
+// their rows are earlier steps' (pos is copied in before the step, so no kernel of it writes them), all but the row at
+// pos, which the warp holding it copies from the cache after the wait. Many small splits and a merge by another kernel
+// measured faster than fewer, longer ones merged inside this kernel by the last block of each KV head (17 / 29 / 63 µs
+// a layer at 127 / 1,023 / 4,095 keys). The q/k preparation inside this kernel (Fusions::attn_prepare as one kernel
+// fewer: each of a KV head's blocks normalising and rotating the group's 8 query heads itself) measured slower than
+// attn_prepare_kernel before it: 12.2 / 12.8 / 18.4 µs a layer against 11.6 / 11.7 / 16.1 (harness, H200, with the
+// merge), and 494 / 483 tok/s against 501 / 491 at 128 / 4,096 of context (docs/performance.md, 2026-12-04), so
+// CudaBackend runs attn_prepare_decode as the two.
 template <int D>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(const float* q_in, const __nv_bfloat16* Kc, const __nv_bfloat16* Vc, int64_t cap,

@@ -197,10 +197,6 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
   std::string name() const override { return "cuda"; }
   int max_rows() const override { return rows_; }
   gpu::Memory memory() const override { return mem_->ledger().memory(); }
-  template <class T>
-  T* scratch(size_t n) {  // a chunk's or a step's intermediates
-    return mem_->alloc<T>(n, gpu::Role::activations);
-  }
   void reset_peak_memory() override { mem_->ledger().reset_peak(); }
 
   // ---------------------------------------------------------------- state
@@ -876,6 +872,10 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
 
   float* act(Act a) { return act_[int(a)]; }
   int width(Act a) const { return int(width_[int(a)]); }
+  template <class T>
+  T* scratch(size_t n) {  // a chunk's or a step's intermediates
+    return mem_->alloc<T>(n, gpu::Role::activations);
+  }
   size_t conv_size() const { return size_t(c_.conv_kernel - 1) * c_.conv_dim(); }
   size_t rec_size() const { return size_t(c_.lin_nv) * c_.lin_dk * c_.lin_dv; }
   void check_rows(int T, const char* op) const {
