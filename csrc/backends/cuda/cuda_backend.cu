@@ -1,21 +1,24 @@
-// The CUDA backend (cuda_backend.h): buffers, submission and the ops of schedule/backend.h over the kernels
-// of kernels.cuh, on one stream.
+// The CUDA backend (cuda_backend.h): a GpuBackend (backends/gpu/gpu_backend.h) over a CudaDevice (device.h)
+// whose ops launch the kernels of kernels.cuh on the device's stream. GpuBackend keeps what every GPU backend
+// shares — the session states (KV cache growth, the GDN states in two copies), the token slots and the
+// selection's bookkeeping, the command buffers in flight, rollback, counters and memory by role — and this file
+// the weights on the device and the ops.
 //
 // Decode graphs: every kernel that depends on the position reads it from pos_dev_ (set before each step) and
-// the step's input token from a token slot, so one decode step's launches are the same every step. The first
-// decode step of a (state, KV capacity, fusions, selection kernel, GDN copy, token slot) is captured as a CUDA
-// graph; later steps replay it, the ops only checking that the schedule calls the same sequence. Token
-// selection into the token slot is part of the graph: the first maximum (argmax_kernel) for plain greedy, else
-// sample.cuh (penalties, sampling), which reads the generation's parameters, draw counter and penalty tables
-// from device memory (select_begin uploads them, the kernel advances the counter and the tables). Which of the
-// two is the one thing about selection a graph key must say; every sampled generation on a state replays the
-// same graphs, and no token visits the host between steps.
+// the step's input token from its token slot (records_steps_once: a host token is written there too), so one
+// decode step's launches are the same every step. The first decode step of a (state, KV capacity, fusions,
+// selection kernel, GDN copy, token slot) is captured as a CUDA graph; later steps replay it, the ops only
+// checking that the schedule calls the same sequence. Token selection into the output slot is part of the
+// graph: the first maximum (argmax_kernel) for plain greedy, else sample.cuh (penalties, sampling), which reads
+// the generation's parameters, draw counter and penalty tables from device memory (select_begin uploads them,
+// the kernel advances the counter and the tables). Which of the two is the one thing about selection a graph
+// key must say; every sampled generation on a state replays the same graphs, and no token visits the host
+// between steps.
 //
 // Two steps in flight (pipelines()): each submission reads the token slot and GDN state copy the one before
-// wrote and writes the other ones, with its logits in a row of their own; its token also lands in pinned host
-// memory, and an event says when. So the engine commits step n + 1 before it reads step n's token (read_token
-// waits for that event only), and rollback() undoes step n + 1 by flipping back: its KV row lies past the
-// position and is overwritten later. The parities make two graphs of a steady generation.
+// wrote and writes the other ones, with its logits in a row of their own (GpuBackend's parities). So the engine
+// commits step n + 1 before it reads step n's token, and rollback() undoes step n + 1 by flipping back. The
+// parities make two graphs of a steady generation.
 #include "cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -24,66 +27,28 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <stdexcept>
 #include <type_traits>
 #include <unordered_map>
 
 #include "attention_decode.cuh"
+#include "device.h"
 #include "flash_attention.cuh"
 #include "gdn_chunked.cuh"
 #include "gemm.cuh"
 #include "kernels.cuh"
 #include "sample.cuh"
-#include "../gpu/device.h"
+#include "../gpu/gpu_backend.h"
 #include "../gpu/sample_args.h"
 
 namespace lily::cuda {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("[cuda] ") + what + ": " + cudaGetErrorString(e));
-}
 #define CK(call) check((call), #call)
 
-template <class T>
-T* device_alloc(size_t n) {
-  void* p = nullptr;
-  if (n) CK(cudaMalloc(&p, n * sizeof(T)));
-  return static_cast<T*>(p);
-}
-
-// The device memory a backend and its states hold, by role, in the ledger gpu/device.h keeps for Metal's
-// buffers too (Engine.memory()): their cudaMallocs go through alloc, their cudaFrees through release.
-class DeviceMemory {
- public:
-  template <class T>
-  T* alloc(size_t n, gpu::Role role) {
-    T* p = device_alloc<T>(n);
-    if (p) {
-      std::lock_guard<std::mutex> lock(mu_);
-      held_[p] = {role, n * sizeof(T)};
-      ledger_.add(role, n * sizeof(T));
-    }
-    return p;
-  }
-  void release(void* p) {
-    if (!p) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      const auto it = held_.find(p);
-      if (it != held_.end()) ledger_.release(it->second.first, it->second.second), held_.erase(it);
-    }
-    cudaFree(p);
-  }
-  gpu::MemoryLedger& ledger() { return ledger_; }
-
- private:
-  std::mutex mu_;
-  std::unordered_map<void*, std::pair<gpu::Role, uint64_t>> held_;
-  gpu::MemoryLedger ledger_;
-};
+using gpu::Role;
+using gpu::View;
 
 int param_dtype(DType t, const std::string& name) {
   switch (t) {
@@ -95,40 +60,23 @@ int param_dtype(DType t, const std::string& name) {
   throw std::invalid_argument("[cuda] tensor " + name + ": integer dtype where a float one is needed");
 }
 
-struct CudaState final : State {
-  // Distinct for every state ever made: what a decode graph is keyed by (a freed state's address comes back).
-  const uint64_t serial = next_serial();
-  std::vector<__nv_bfloat16*> k, v;     // attention layers: [n_kv, capacity, d]
-  std::vector<float*> conv[2], rec[2];  // GDN layers, two copies: [k_c - 1, C], [n_v, d_k, d_v]
-  int cur = 0;                          // the copy holding the state at pos; a submission writes the other
-  bool undoable = false;                // the last submission on it was a decode step (rollback)
-  std::shared_ptr<DeviceMemory> mem;    // where its buffers come from (the backend's: a state may outlive it)
-  explicit CudaState(std::shared_ptr<DeviceMemory> m) : mem(std::move(m)) {}
-  static uint64_t next_serial() {
-    static uint64_t n = 0;
-    return ++n;
-  }
-  ~CudaState() override {
-    for (auto* vec : {&k, &v})
-      for (auto* p : *vec) mem->release(p);
-    for (int c = 0; c < 2; ++c)
-      for (auto* vec : {&conv[c], &rec[c]})
-        for (auto* p : *vec) mem->release(p);
-  }
-};
+template <class T>
+T* device_alloc(size_t n) {
+  void* p = nullptr;
+  if (n) CK(cudaMalloc(&p, n * sizeof(T)));
+  return static_cast<T*>(p);
+}
 
-class CudaBackend final : public Backend, public gpu::MemoryReport {
+class CudaBackend final : public gpu::GpuBackend {
  public:
-  CudaBackend(const Model& m, int max_rows, bool pipeline)
-      : m_(m), c_(m.config()), rows_(max_rows), pipeline_(pipeline) {
-    if (max_rows <= 0) throw std::invalid_argument("[cuda] max_rows must be positive");
-    const std::string why = unavailable_reason();
-    if (!why.empty()) throw std::runtime_error("[cuda] " + why);
+  CudaBackend(const Model& m, std::unique_ptr<CudaDevice> device, int max_rows, bool pipeline)
+      : GpuBackend(m, std::move(device), max_rows, pipeline, gpu::ActFormat::f32),
+        dev_(static_cast<CudaDevice&>(GpuBackend::device())),
+        stream_(dev_.stream()) {
     check_geometry();
-    CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    int device = 0;
-    CK(cudaGetDevice(&device));
-    CK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device));
+    int device_id = 0;
+    CK(cudaGetDevice(&device_id));
+    CK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device_id));
     const char* per_sm = std::getenv("LILY_CUDA_DECODE_BLOCKS_PER_SM");
     slots_ = decode_slots(sms_, per_sm && *per_sm ? std::atoi(per_sm) : kDecodeBlocksPerSm);
     CK(allow_decode_smem());
@@ -137,238 +85,69 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     if (!moe_decode_fits(experts, slots_, sms_))
       throw std::runtime_error("[cuda] the experts' decode kernel: " + std::to_string(slots_) +
                                " blocks do not fit this GPU at once (LILY_CUDA_DECODE_BLOCKS_PER_SM=1: one an SM)");
-    decode_order_ = &DecodeOrder::of(device);
+    decode_order_ = &DecodeOrder::of(device_id);
     upload_weights();
-    for (int a = 0; a < int(Act::count); ++a) {
-      width_[a] = act_width(c_, Act(a));
-      if (a != int(Act::logits)) act_[a] = scratch<float>(size_t(rows_) * width_[a]);  // logits_ instead
-    }
-    grow_logits(1);
-    const int K = c_.top_k, E = c_.experts, TK = rows_ * K, H = c_.hidden, I = c_.moe_inter;
+    const int K = c_.top_k, E = c_.experts, TK = max_rows * K, H = c_.hidden, I = c_.moe_inter;
     imax_ = std::max(I, c_.shared_inter);
-    qbuf_ = scratch<float>(size_t(rows_) * c_.n_q * c_.head_dim);
-    conv_out_ = scratch<float>(size_t(rows_) * c_.conv_dim());
-    gdn_packs_ = scratch<float>(size_t((rows_ + kGdnChunk - 1) / kGdnChunk) * c_.lin_nv *
-                                gdn_pack_floats(c_.lin_dk, c_.lin_dv));
-    attn_part_ = scratch<float>(attention_part_floats(c_.n_q, c_.head_dim));
-    router_ = scratch<float>(size_t(rows_) * E);
-    shared_logit_ = scratch<float>(rows_);
-    route_ids_ = scratch<int32_t>(TK);
-    route_w_ = scratch<float>(TK);
-    counts_ = scratch<int>(E);
-    offsets_ = scratch<int>(E);
-    perm_ = scratch<int>(TK);
-    inv_ = scratch<int>(TK);
-    g_ = scratch<float>(size_t(TK) * imax_);
-    u_ = scratch<float>(size_t(TK) * imax_);
-    hbuf_ = scratch<float>(size_t(TK) * imax_);
-    ybuf_ = scratch<float>(size_t(TK) * H);
-    sy_ = scratch<float>(size_t(rows_) * H);
-    tokens_ = mem_->alloc<int32_t>(rows_, gpu::Role::io);
-    tok_slots_ = mem_->alloc<int32_t>(2, gpu::Role::io);
-    CK(cudaHostAlloc(reinterpret_cast<void**>(&host_tok_), 2 * sizeof(int32_t), cudaHostAllocDefault));
-    for (cudaEvent_t& e : done_) CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    argmax_slot_ = scratch<ArgmaxSlot>(1);
-    CK(cudaMemset(argmax_slot_, 0, sizeof(ArgmaxSlot)));
-    moe_counts_ = scratch<unsigned>(kMoeCounts);
-    CK(cudaMemset(moe_counts_, 0, kMoeCounts * sizeof(unsigned)));
-    pos_dev_ = scratch<int64_t>(1);
-    sample_args_dev_ = mem_->alloc<SampleArgs>(1, gpu::Role::io);
-    seen_dev_ = mem_->alloc<uint8_t>(c_.vocab, gpu::Role::io);
-    counts_dev_ = mem_->alloc<int32_t>(c_.vocab, gpu::Role::io);
+    qbuf_ = scratch<float>(size_t(max_rows) * c_.n_q * c_.head_dim, "attn.q");
+    conv_out_ = scratch<float>(size_t(max_rows) * c_.conv_dim(), "gdn.conv_out");
+    gdn_packs_ = scratch<float>(size_t((max_rows + kGdnChunk - 1) / kGdnChunk) * c_.lin_nv *
+                                    gdn_pack_floats(c_.lin_dk, c_.lin_dv),
+                                "gdn.packs");
+    attn_part_ = scratch<float>(attention_part_floats(c_.n_q, c_.head_dim), "attn.parts");
+    router_ = scratch<float>(size_t(max_rows) * E, "moe.router");
+    shared_logit_ = scratch<float>(max_rows, "moe.shared_logit");
+    route_ids_ = scratch<int32_t>(TK, "moe.ids");
+    route_w_ = scratch<float>(TK, "moe.weights");
+    counts_ = scratch<int>(E, "moe.counts");
+    offsets_ = scratch<int>(E, "moe.offsets");
+    perm_ = scratch<int>(TK, "moe.perm");
+    inv_ = scratch<int>(TK, "moe.inv");
+    g_ = scratch<float>(size_t(TK) * imax_, "moe.gate");
+    u_ = scratch<float>(size_t(TK) * imax_, "moe.up");
+    hbuf_ = scratch<float>(size_t(TK) * imax_, "moe.h");
+    ybuf_ = scratch<float>(size_t(TK) * H, "moe.y");
+    sy_ = scratch<float>(size_t(max_rows) * H, "moe.shared_y");
+    argmax_slot_ = scratch<ArgmaxSlot>(1, "argmax");
+    moe_counts_ = scratch<unsigned>(kMoeCounts, "moe.decode_counts");
+    pos_ = scratch_view(sizeof(int64_t), "pos", Role::io);
+    pos_dev_ = device_ptr<int64_t>(pos_);
+    sample_args_ = scratch_view(sizeof(SampleArgs), "sample.args", Role::io);
   }
 
   ~CudaBackend() override {
     drop_graphs();
     cudaStreamSynchronize(stream_);
-    mem_->release(arena_);
-    for (float* p : act_) mem_->release(p);
-    for (float* p : logits_) mem_->release(p);
-    for (cudaEvent_t e : done_) cudaEventDestroy(e);
-    cudaFreeHost(host_tok_);
-    for (void* p : std::initializer_list<void*>{qbuf_, conv_out_, gdn_packs_, attn_part_, router_, shared_logit_,
-                                                route_ids_, route_w_, counts_, offsets_, perm_, inv_, g_, u_, hbuf_,
-                                                ybuf_, sy_, tokens_, tok_slots_, pos_dev_, argmax_slot_, sample_args_dev_,
-                                                seen_dev_, counts_dev_, moe_counts_})
-      mem_->release(p);
-    cudaStreamDestroy(stream_);
   }
 
-  std::string name() const override { return "cuda"; }
-  int max_rows() const override { return rows_; }
-  gpu::Memory memory() const override { return mem_->ledger().memory(); }
-  void reset_peak_memory() override { mem_->ledger().reset_peak(); }
-
-  // ---------------------------------------------------------------- state
-
-  std::unique_ptr<State> new_state() override {
-    auto s = std::make_unique<CudaState>(mem_);
-    s->k.assign(c_.layers, nullptr);
-    s->v.assign(c_.layers, nullptr);
-    for (int c = 0; c < 2; ++c) {
-      s->conv[c].assign(c_.layers, nullptr);
-      s->rec[c].assign(c_.layers, nullptr);
-      for (int i = 0; i < c_.layers; ++i) {
-        if (c_.is_attention(i)) continue;
-        s->conv[c][i] = mem_->alloc<float>(conv_size(), gpu::Role::state);
-        s->rec[c][i] = mem_->alloc<float>(rec_size(), gpu::Role::state);
-        CK(cudaMemsetAsync(s->conv[c][i], 0, conv_size() * 4, stream_));
-        CK(cudaMemsetAsync(s->rec[c][i], 0, rec_size() * 4, stream_));
-      }
-    }
-    CK(cudaStreamSynchronize(stream_));
-    return s;
-  }
-
-  // The KV cache grows in steps of 1024 rows (each growth re-captures the decode graph), heads copied over.
-  void reserve(State& st, int64_t tokens) override {
-    auto& s = static_cast<CudaState&>(st);
-    if (tokens <= s.capacity) return;
-    const int64_t cap = (tokens + 1023) / 1024 * 1024, d = c_.head_dim;
-    for (int i = 0; i < c_.layers; ++i) {
-      if (!c_.is_attention(i)) continue;
-      for (auto* cache : {&s.k[i], &s.v[i]}) {
-        __nv_bfloat16* grown = mem_->alloc<__nv_bfloat16>(size_t(c_.n_kv) * cap * d, gpu::Role::kv);
-        if (s.capacity && s.pos)
-          CK(cudaMemcpy2DAsync(grown, cap * d * 2, *cache, s.capacity * d * 2, s.pos * d * 2, c_.n_kv,
-                               cudaMemcpyDeviceToDevice, stream_));
-        CK(cudaStreamSynchronize(stream_));
-        mem_->release(*cache);
-        *cache = grown;
-      }
-    }
-    s.capacity = cap;
-  }
-
-  std::unique_ptr<State> clone_state(const State& st) override {
-    const auto& s = static_cast<const CudaState&>(st);
-    auto out = std::unique_ptr<CudaState>(static_cast<CudaState*>(new_state().release()));
-    reserve(*out, s.capacity);
-    const int64_t d = c_.head_dim;
-    for (int i = 0; i < c_.layers; ++i) {
-      if (c_.is_attention(i)) {
-        for (auto [dst, src] : {std::pair{out->k[i], s.k[i]}, std::pair{out->v[i], s.v[i]}})
-          CK(cudaMemcpyAsync(dst, src, size_t(c_.n_kv) * s.capacity * d * 2, cudaMemcpyDeviceToDevice, stream_));
-      } else {
-        CK(cudaMemcpyAsync(out->conv[0][i], s.conv[s.cur][i], conv_size() * 4, cudaMemcpyDeviceToDevice, stream_));
-        CK(cudaMemcpyAsync(out->rec[0][i], s.rec[s.cur][i], rec_size() * 4, cudaMemcpyDeviceToDevice, stream_));
-      }
-    }
-    CK(cudaStreamSynchronize(stream_));
-    out->pos = s.pos;
-    return out;
-  }
-
-  void bind(State* s) override { s_ = static_cast<CudaState*>(s); }
-
-  // Session files: KV rows [0, pos) of each head in bf16 (as held), conv and recurrent state in f32.
-  std::vector<StateTensor> export_state(const State& st) override {
-    const auto& s = static_cast<const CudaState&>(st);
-    CK(cudaStreamSynchronize(stream_));
-    std::vector<StateTensor> out;
-    const int64_t d = c_.head_dim;
-    for (int i = 0; i < c_.layers; ++i) {
-      const std::string p = "layers." + std::to_string(i) + ".";
-      if (c_.is_attention(i)) {
-        for (auto [nm, cache] : {std::pair{"k", s.k[i]}, std::pair{"v", s.v[i]}}) {
-          StateTensor t{p + nm, "bf16", {c_.n_kv, s.pos, d}, std::vector<uint8_t>(size_t(c_.n_kv) * s.pos * d * 2)};
-          if (s.pos)
-            CK(cudaMemcpy2D(t.data.data(), s.pos * d * 2, cache, s.capacity * d * 2, s.pos * d * 2, c_.n_kv,
-                            cudaMemcpyDeviceToHost));
-          out.push_back(std::move(t));
-        }
-      } else {
-        StateTensor cv{p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, std::vector<uint8_t>(conv_size() * 4)};
-        StateTensor rc{p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, std::vector<uint8_t>(rec_size() * 4)};
-        CK(cudaMemcpy(cv.data.data(), s.conv[s.cur][i], cv.data.size(), cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(rc.data.data(), s.rec[s.cur][i], rc.data.size(), cudaMemcpyDeviceToHost));
-        out.push_back(std::move(cv));
-        out.push_back(std::move(rc));
-      }
-    }
-    return out;
-  }
-
-  void import_state(State& st, int64_t pos, const std::vector<StateTensor>& tensors) override {
-    auto& s = static_cast<CudaState&>(st);
-    if (pos < 0) throw std::invalid_argument("[cuda] import_state: negative position");
-    auto find = [&](const std::string& name, const char* dtype, std::vector<int64_t> shape,
-                    size_t elem) -> const StateTensor& {
-      for (const auto& t : tensors)
-        if (t.name == name) {
-          size_t n = 1;
-          for (auto x : shape) n *= size_t(x);
-          if (t.dtype != dtype || t.shape != shape || t.data.size() != n * elem)
-            throw std::invalid_argument("[cuda] state tensor '" + name + "' has the wrong dtype, shape or size (want " +
-                                        dtype + ")");
-          return t;
-        }
-      throw std::invalid_argument("[cuda] state tensor '" + name + "' is missing");
-    };
-    s.pos = 0;
-    reserve(s, std::max<int64_t>(pos, 1));
-    const int64_t d = c_.head_dim;
-    for (int i = 0; i < c_.layers; ++i) {
-      const std::string p = "layers." + std::to_string(i) + ".";
-      if (c_.is_attention(i)) {
-        for (auto [nm, cache] : {std::pair{"k", s.k[i]}, std::pair{"v", s.v[i]}}) {
-          const auto& t = find(p + nm, "bf16", {c_.n_kv, pos, d}, 2);
-          if (pos)
-            CK(cudaMemcpy2D(cache, s.capacity * d * 2, t.data.data(), pos * d * 2, pos * d * 2, c_.n_kv,
-                            cudaMemcpyHostToDevice));
-        }
-      } else {
-        const auto& cv = find(p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, 4);
-        const auto& rc = find(p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, 4);
-        CK(cudaMemcpy(s.conv[s.cur][i], cv.data.data(), cv.data.size(), cudaMemcpyHostToDevice));
-        CK(cudaMemcpy(s.rec[s.cur][i], rc.data.data(), rc.data.size(), cudaMemcpyHostToDevice));
-      }
-    }
-    s.pos = pos;
-    s.undoable = false;
-  }
+  const char* kernel_label(gpu::KernelIndex) const override { return "cuda kernel"; }  // (no per-kernel counts)
 
   // ---------------------------------------------------------------- submission
 
-  bool pipelines() const override { return pipeline_; }
-  int gdn_state_copies() const override { return 2; }
-
-  // Undoes the last decode step on st, which may still be in flight (see the top of the file).
-  void rollback(State& st) override {
-    auto& s = static_cast<CudaState&>(st);
-    if (!s.undoable || s.pos < 1) throw std::logic_error("[cuda] rollback(): the state's last step was not a decode step");
-    s.cur ^= 1;
-    s.pos -= 1;
-    s.undoable = false;
-    in_ ^= 1;
-    if (!unread_.empty() && unread_.back().seq == committed_) unread_.pop_back();
-  }
-
   void begin(Phase phase, const Fusions& f) override {
-    if (!s_) throw std::logic_error("[cuda] begin() with no bound state");
-    phase_ = phase;
-    const int64_t pos = s_->pos;
-    CK(cudaMemcpyAsync(pos_dev_, &pos, sizeof pos, cudaMemcpyHostToDevice, stream_));
-    ops_ = 0;
-    out_ = in_ ^ 1;
-    selects_ = false;
+    GpuBackend::begin(phase, f);  // (the KV growth copies go out here, before any capture)
+    const int64_t pos = position();
+    dev_.write(pos_, &pos, sizeof pos);
+    ops_ = 0, launches_ = 0;
     mode_ = Mode::direct;
     if (phase != Phase::decode) return;
-    graph_key_ = GraphKey{s_->serial, s_->capacity, fusion_bits(f), sampled_, s_->cur, in_};
+    graph_key_ = GraphKey{state_serial(), kv_capacity(), fusion_bits(f), !plain_greedy(), gdn_copy(), token_slot()};
     graph_ = nullptr;
-    for (auto& [key, exec] : graphs_)
-      if (key == graph_key_) graph_ = &exec;
+    for (auto& g : graphs_)
+      if (g.key == graph_key_) graph_ = &g;
     mode_ = graph_ ? Mode::replay : Mode::capture_pending;
   }
 
   void commit() override {
-    if (phase_ == Phase::decode && mode_ != Mode::direct) {
+    if (phase() == Phase::decode && mode_ != Mode::direct) {
       // The selection is part of every decode graph. A step that does not select (Engine::logits / feed, only
       // between generations: one request at a time) thus still selects, as the last generation did: it
-      // overwrites the token slot, which the next embed writes first, and a sampled one advances the counter
-      // and tables, which the next sampled generation's select_begin replaces.
+      // overwrites the output token slot, which the next step embeds from only after writing it, and a sampled
+      // one advances the counter and tables, which the next sampled generation's select_begin replaces.
+      if (mode_ == Mode::capture_pending)
+        throw std::logic_error("[cuda] a decode step must start with embed or embed_selected");
       if (mode_ == Mode::capturing) {
-        launch_selection();
+        launch_selection(row_logits_out(), token_out(), !plain_greedy());
         cudaGraph_t graph = nullptr;
         CK(cudaStreamEndCapture(stream_, &graph));
         cudaGraphExec_t exec = nullptr;
@@ -376,62 +155,62 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
         cudaGraphDestroy(graph);
         check(e, "cudaGraphInstantiate (decode step)");
         // graphs of another state, capacity, fusions or selection kernel are not replayed again
-        if (!graphs_.empty() && !graphs_[0].first.same_step(graph_key_)) drop_graphs();
-        graphs_.emplace_back(graph_key_, exec);
-        graph_ = &graphs_.back().second;
-        graph_ops_ = ops_;
-      } else if (ops_ != graph_ops_) {
+        if (!graphs_.empty() && !graphs_[0].key.same_step(graph_key_)) drop_graphs();
+        graphs_.push_back({graph_key_, exec, ops_, launches_});
+        graph_ = &graphs_.back();
+      } else if (ops_ != graph_->ops) {
         throw std::logic_error("[cuda] decode step called " + std::to_string(ops_) + " ops, its graph holds " +
-                               std::to_string(graph_ops_));
+                               std::to_string(graph_->ops));
       }
       launch_decode_graph();
       mode_ = Mode::direct;
+    } else {
+      dev_.count_launches(launches_);
     }
     CK(cudaGetLastError());
-    ++committed_;
-    if (selects_) {
-      if (unread_.size() == kDone) throw std::logic_error("[cuda] more steps in flight than tokens read");
-      cudaEvent_t done = done_[selected_++ % kDone];  // not one an unread token still waits on
-      CK(cudaEventRecord(done, stream_));
-      unread_.push_back({committed_, out_, done});
-    }
-    in_ = out_;
-    s_->cur ^= 1;
-    s_->undoable = phase_ == Phase::decode;
+    GpuBackend::commit();
   }
 
-  void read_logits(float* out, int rows) override {
-    CK(cudaMemcpyAsync(out, logits_[in_], size_t(rows) * c_.vocab * 4, cudaMemcpyDeviceToHost, stream_));
-    CK(cudaStreamSynchronize(stream_));
+  // ---------------------------------------------------------------- token selection
+
+  // A sampled or penalised generation's SampleArgs (parameters and draw counter) into the device memory
+  // sample.cuh reads (GpuBackend writes the penalty tables). Nothing of the host Sampler is needed after this:
+  // the kernel keeps the counter and tables in step on the device, and logprobs come from the raw logits
+  // (Sampler::fill_logprobs).
+  void select_begin(const Sampler& sampler) override {
+    GpuBackend::select_begin(sampler);
+    if (plain_greedy()) return;
+    const SampleArgs args = gpu::sample_args(sampler.params(), c_.vocab, sampler.draws());
+    dev_.write(sample_args_, &args, sizeof args);
   }
 
-  // ---------------------------------------------------------------- ops
+ protected:
+  bool records_steps_once() const override { return true; }
 
-  void embed(const int32_t* tokens, int T) override {
-    check_rows(T, "embed");
-    for (int t = 0; t < T; ++t)
-      if (tokens[t] < 0 || tokens[t] >= c_.vocab)
-        throw std::out_of_range("[embed] token id " + std::to_string(tokens[t]) + " outside the vocabulary [0, " +
-                                std::to_string(c_.vocab) + ")");
-    if (phase_ == Phase::decode && mode_ != Mode::direct) {
-      // the graph embeds from the token slot
-      CK(cudaMemcpyAsync(tok_slots_ + in_, tokens, 4, cudaMemcpyHostToDevice, stream_));
-      embed_selected();
-      return;
-    }
-    CK(cudaMemcpyAsync(tokens_, tokens, size_t(T) * 4, cudaMemcpyHostToDevice, stream_));
-    if (!op()) return;
-    launch_dependent(embed_kernel, T, 64, 0, embed_, tokens_, act(Act::x), c_.hidden, c_.vocab);
-  }
-
-  void embed_selected() override {
+  void encode_embed(View ids, int T) override {
     if (mode_ == Mode::capture_pending) {
       CK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       mode_ = Mode::capturing;
     }
     if (!op()) return;
-    launch_dependent(embed_kernel, 1, 64, 0, embed_, tok_slots_ + in_, act(Act::x), c_.hidden, c_.vocab);
+    launch_dependent(embed_kernel, T, 64, 0, embed_, device_ptr<int32_t>(ids), act(Act::x), c_.hidden, c_.vocab);
   }
+
+  void encode_copy_rows(View src, View dst, int rows, uint64_t row_bytes, uint64_t src_stride,
+                        uint64_t dst_stride) override {
+    CK(cudaMemcpy2DAsync(device_ptr<uint8_t>(dst), dst_stride, device_ptr<uint8_t>(src), src_stride, row_bytes,
+                         rows, cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  // The selection's draw counter and parameters are the device's (select_begin), not `sample` and `draws`:
+  // a replayed graph cannot take new values from the host. In a decode graph the selection is launched at
+  // commit (every decode graph selects).
+  void encode_select(View logits, View token, const SamplingParams* sample, uint64_t, View, View) override {
+    if (phase() == Phase::decode && mode_ != Mode::direct) return;
+    launch_selection(logits, token, sample != nullptr);
+  }
+
+  // ---------------------------------------------------------------- ops
 
   void rmsnorm(Act in, Act out, const Vec& w, int T) override {
     if (!op()) return;
@@ -453,19 +232,19 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
   }
 
   void norm_lm_head(int row) override {
+    float* logits = device_ptr<float>(logits_rows(1));
     if (!op()) return;
     GemvJobs jobs;
-    add_job(jobs, m_.lm_head, logits_[out_]);
+    add_job(jobs, m_.lm_head, logits);
     gemv(jobs, act(Act::x) + int64_t(row) * c_.hidden, vec(m_.norm), nullptr);
   }
 
   void lm_head(int first, int rows) override {
-    check_rows(rows, "lm_head");
+    float* logits = device_ptr<float>(logits_rows(rows));
     if (!op()) return;
-    grow_logits(rows);
     launch_dependent(rmsnorm_kernel, rows, 256, 0, act(Act::x) + int64_t(first) * c_.hidden, c_.hidden,
                      act(Act::xn), c_.hidden, vec(m_.norm), c_.hidden, c_.rms_eps);
-    matmul(m_.lm_head, act(Act::xn), c_.hidden, rows, logits_[out_], c_.vocab, false);
+    matmul(m_.lm_head, act(Act::xn), c_.hidden, rows, logits, c_.vocab, false);
   }
 
   void attn_prepare(int layer, int T, int64_t pos) override {
@@ -475,7 +254,7 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     const int d = c_.head_dim;
     launch_dependent(attn_prepare_kernel, dim3(T, (c_.n_q + c_.n_kv + kPrepareWarps - 1) / kPrepareWarps),
         kPrepareWarps * 32, kPrepareWarps * d * 4, act(Act::q_gate), act(Act::k), act(Act::v), vec(A.q_norm),
-        vec(A.k_norm), qbuf_, s_->k[layer], s_->v[layer], s_->capacity, pos_dev_, c_.n_q, c_.n_kv, d, c_.rotary_dim,
+        vec(A.k_norm), qbuf_, kc(layer), vc(layer), kv_capacity(), pos_dev_, c_.n_q, c_.n_kv, d, c_.rotary_dim,
         c_.rope_theta, c_.rms_eps);
   }
 
@@ -483,9 +262,10 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     check_pos(pos);
     if (!op()) return;
     by_head_dim(c_.head_dim, [&](auto D) {
-      launch_flash_attention<D()>(qbuf_, s_->k[layer], s_->v[layer], s_->capacity, act(Act::q_gate), act(Act::mix),
+      launch_flash_attention<D()>(qbuf_, kc(layer), vc(layer), kv_capacity(), act(Act::q_gate), act(Act::mix),
                                   width(Act::mix), T, c_.n_q, c_.n_kv, pos_dev_, stream_);
     });
+    launched();
   }
 
   // Split-KV attention for the one row (attention_decode.cuh), then the splits merged and gated. (No
@@ -496,7 +276,7 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     if (!op()) return;
     by_head_dim(c_.head_dim, [&](auto D) {
       launch_dependent(attention_kernel<D()>, c_.n_kv * kDecodeSplits / kAttnWarps, kAttnWarps * 32,
-                       attn_smem_bytes<D()>(), qbuf_, s_->k[layer], s_->v[layer], s_->capacity, pos_dev_, c_.n_q,
+                       attn_smem_bytes<D()>(), qbuf_, kc(layer), vc(layer), kv_capacity(), pos_dev_, c_.n_q,
                        c_.n_kv, attn_part_);
     });
     launch_dependent(attention_combine_kernel, attention_combine_grid(c_.n_q, c_.head_dim), kCombineWarps * 32, 0,
@@ -507,24 +287,26 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
   // 64 rows (gdn_chunked.cuh), the gated norm over all rows.
   void gdn_scan(int layer, int T) override {
     check_rows(T, "gdn_scan");
+    const gpu::GdnStates st = gdn_states(layer);
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
     const int C = c_.conv_dim(), nk = c_.lin_nk, nv = c_.lin_nv, dv = c_.lin_dv;
     const int64_t cells = int64_t(T) * C;
-    const int in = s_->cur, out = in ^ 1;
     gdn_conv_rows_kernel<<<int((cells + 255) / 256), 256, 0, stream_>>>(act(Act::qkv), conv_out_,
-                                                                       s_->conv[in][layer], vec(G.conv), T, C,
+                                                                       f32(st.conv_in), vec(G.conv), T, C,
                                                                        c_.conv_kernel);
-    gdn_conv_state_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), s_->conv[in][layer],
-                                                               s_->conv[out][layer], T, C, c_.conv_kernel);
+    gdn_conv_state_kernel<<<(C + 127) / 128, 128, 0, stream_>>>(act(Act::qkv), f32(st.conv_in),
+                                                               f32(st.conv_out), T, C, c_.conv_kernel);
+    launched(2);
     // the chunked scan updates the state in place: in the copy out
-    CK(cudaMemcpyAsync(s_->rec[out][layer], s_->rec[in][layer], rec_size() * 4, cudaMemcpyDeviceToDevice, stream_));
+    CK(cudaMemcpyAsync(f32(st.rec_out), f32(st.rec_in), rec_size() * 4, cudaMemcpyDeviceToDevice, stream_));
     const int warps = T * (2 * nk + 1);
     gdn_prepare_kernel<<<(warps + 3) / 4, 128, 0, stream_>>>(conv_out_, act(Act::beta), act(Act::alpha),
                                                             vec(G.A_log), vec(G.dt_bias), T, C, nk, nv, c_.lin_dk);
+    launched();
     auto scan = [&](auto dk) {
       launch_gdn_chunked<decltype(dk)::value>(conv_out_, act(Act::beta), act(Act::alpha), gdn_packs_,
-                                              s_->rec[out][layer], act(Act::mix), width(Act::mix), T, C, nk, nv, dv,
+                                              f32(st.rec_out), act(Act::mix), width(Act::mix), T, C, nk, nv, dv,
                                               stream_);
     };
     switch (c_.lin_dk) {
@@ -534,18 +316,19 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     }
     gdn_gated_norm_kernel<<<T * nv, dv, 0, stream_>>>(act(Act::mix), width(Act::mix), act(Act::z), vec(G.norm), nv,
                                                      dv, c_.rms_eps);
+    launched(3);  // and the chunked scan's two
   }
 
   // One row: the conv and everything after it in one kernel, a cluster of blocks a value head (gdn_step_kernel).
   void gdn_step(int layer) override {
+    const gpu::GdnStates st = gdn_states(layer);
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
-    const int in = s_->cur, out = in ^ 1;
     auto step = [&](auto kernel) {
       const int S = gdn_step_cluster(c_.lin_dv);
       CK(cuda::launch_dependent(stream_, {S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv),
-                                s_->conv[in][layer], s_->conv[out][layer], vec(G.conv), act(Act::beta),
-                                act(Act::alpha), act(Act::z), s_->rec[in][layer], s_->rec[out][layer],
+                                f32(st.conv_in), f32(st.conv_out), vec(G.conv), act(Act::beta),
+                                act(Act::alpha), act(Act::z), f32(st.rec_in), f32(st.rec_out),
                                 vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
                                 c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps));
     };
@@ -580,6 +363,7 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     const int K = c_.top_k, E = c_.experts, H = c_.hidden, I = c_.moe_inter, Is = c_.shared_inter, TK = T * K;
     topk_kernel<<<T, 32, 0, stream_>>>(router_, E, K, route_ids_, route_w_);
     moe_group_kernel<<<1, 1024, 2 * E * sizeof(int), stream_>>>(route_ids_, TK, E, counts_, offsets_, perm_, inv_);
+    launched(2);
     const float* xn = act(Act::xn);
     grouped(M.gate, xn, H, T, perm_, K, g_, I);
     grouped(M.up, xn, H, T, perm_, K, u_, I);
@@ -590,6 +374,7 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     swiglu(g_, u_, hbuf_, int64_t(T) * Is);
     matmul(M.shared_down, hbuf_, Is, T, sy_, H, false);
     moe_combine_kernel<<<T, 256, 0, stream_>>>(act(Act::x), ybuf_, sy_, shared_logit_, route_w_, inv_, K, H);
+    launched();
   }
 
   void moe_decode(int layer) override {
@@ -608,55 +393,12 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
                      route_w_, hbuf_, g.stages, md.gate_up_stage_bytes(), g.ring_bytes, g.down_rows);
   }
 
-  // ---------------------------------------------------------------- token selection
-
-  // A sampled or penalised generation's SampleArgs (parameters and draw counter) and penalty tables into the
-  // device memory sample.cuh reads. Nothing of the host Sampler is needed after this: the kernel keeps the
-  // counter and tables in step on the device, and logprobs come from the raw logits (Sampler::fill_logprobs).
-  // The tables are read only under a penalty, so without one they are left as they are.
-  void select_begin(const Sampler& sampler) override {
-    selecting_ = true;
-    unread_.clear();
-    sampled_ = !sampler.params().greedy() || sampler.params().penalised();
-    if (!sampled_) return;
-    const SampleArgs args = gpu::sample_args(sampler.params(), c_.vocab, sampler.draws());
-    CK(cudaMemcpyAsync(sample_args_dev_, &args, sizeof args, cudaMemcpyHostToDevice, stream_));
-    std::vector<int32_t> counts;
-    if (sampler.params().penalised()) {
-      counts.assign(size_t(c_.vocab), 0);
-      for (const auto& [token, n] : sampler.counts()) counts[size_t(token)] = n;
-      CK(cudaMemcpyAsync(seen_dev_, sampler.seen().data(), size_t(c_.vocab), cudaMemcpyHostToDevice, stream_));
-      CK(cudaMemcpyAsync(counts_dev_, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice, stream_));
-    }
-    CK(cudaStreamSynchronize(stream_));  // the copies read `args` and `counts`, locals
-  }
-
-  void select_token() override {
-    if (!selecting_) throw std::logic_error("[cuda] select_token() before select_begin()");
-    selects_ = true;
-    if (phase_ == Phase::decode && mode_ != Mode::direct) return;  // in the graph (commit)
-    launch_selection();
-  }
-
-  // The oldest unread step's token from pinned host memory once its event has passed; the steps after it stay
-  // queued. Its logits row is its own (the next step writes the other), copied on the default stream, which
-  // does not wait for stream_.
-  int32_t read_token(float* logits) override {
-    if (unread_.empty()) throw std::logic_error("[cuda] read_token() with no step's token unread");
-    const Unread u = unread_.front();
-    unread_.pop_front();
-    CK(cudaEventSynchronize(u.done));
-    const int32_t t = static_cast<volatile int32_t*>(host_tok_)[u.slot];
-    if (logits) CK(cudaMemcpy(logits, logits_[u.slot], size_t(c_.vocab) * 4, cudaMemcpyDeviceToHost));
-    return t;
-  }
-
  private:
   // decode_slots' blocks an SM; $LILY_CUDA_DECODE_BLOCKS_PER_SM overrides it (benchmarks compare the two)
   static constexpr int kDecodeBlocksPerSm = 2;
   enum class Mode { direct, capture_pending, capturing, replay };
   struct GraphKey {
-    uint64_t state = 0;  // CudaState::serial
+    uint64_t state = 0;  // GpuBackend::state_serial
     int64_t capacity = 0;
     uint32_t fusions = 0;
     bool sampled = false;  // sample_token_kernel selects, not argmax_kernel
@@ -666,12 +408,12 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     }
     bool operator==(const GraphKey& o) const { return same_step(o) && gdn == o.gdn && slot == o.slot; }
   };
-  struct Unread {
-    uint64_t seq;  // the submission's number (committed_)
-    int slot;      // its token slot and logits row
-    cudaEvent_t done;
+  struct Graph {
+    GraphKey key;
+    cudaGraphExec_t exec;
+    int ops;            // the schedule's ops it holds
+    uint64_t launches;  // and their kernel launches (the counters' dispatches each replay)
   };
-  static constexpr size_t kDone = 4;  // events of submissions whose token is unread (two in a generation)
   static uint32_t fusion_bits(const Fusions& f) {
     const bool bits[] = {f.norm_project, f.route, f.attn_prepare, f.gdn_step, f.expert_swiglu, f.expert_combine,
                          f.dequant};
@@ -680,15 +422,16 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
     return v;
   }
 
-  // The token of logits row 0 into the submission's token slot, and from there into pinned host memory.
-  void launch_selection() {
-    if (sampled_)
-      launch_dependent(sample_token_kernel, 1, LILY_SAMPLE_THREADS, 0, sample_args_dev_, logits_[out_], seen_dev_,
-                       counts_dev_, tok_slots_ + out_);
+  // The token of the logits row into the token slot: sampled (sample.cuh, with the penalty tables) or the first
+  // maximum.
+  void launch_selection(View logits, View token, bool sampled) {
+    if (sampled)
+      launch_dependent(sample_token_kernel, 1, LILY_SAMPLE_THREADS, 0, device_ptr<SampleArgs>(sample_args_),
+                       f32(logits), device_ptr<uint8_t>(penalty_seen()), device_ptr<int32_t>(penalty_counts()),
+                       device_ptr<int32_t>(token));
     else
-      launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, logits_[out_], c_.vocab,
-                       argmax_slot_, tok_slots_ + out_);
-    CK(cudaMemcpyAsync(host_tok_ + out_, tok_slots_ + out_, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+      launch_dependent(argmax_kernel, std::min(sms_, (c_.vocab + 1023) / 1024), 1024, 0, f32(logits), c_.vocab,
+                       argmax_slot_, device_ptr<int32_t>(token));
   }
 
   // A decode graph, after every decode graph that any CudaBackend of the process launched before it on this
@@ -697,12 +440,13 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
   void launch_decode_graph() {
     std::lock_guard<std::mutex> lock(decode_order_->m);
     CK(cudaStreamWaitEvent(stream_, decode_order_->last, 0));
-    CK(cudaGraphLaunch(*graph_, stream_));
+    CK(cudaGraphLaunch(graph_->exec, stream_));
     CK(cudaEventRecord(decode_order_->last, stream_));
+    dev_.count_launches(graph_->launches);
   }
 
   void drop_graphs() {
-    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (Graph& g : graphs_) cudaGraphExecDestroy(g.exec);
     graphs_.clear();
     graph_ = nullptr;
   }
@@ -739,7 +483,8 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
   void upload_weights() {
     sizing_ = true;
     upload_walk();
-    arena_ = mem_->alloc<uint8_t>(arena_used_ + 256, gpu::Role::weights);  // + a tile copy's rounding
+    arena_buffer_ = dev_.alloc(arena_used_ + 256, Role::weights, "weights");  // + a tile copy's rounding
+    arena_ = device_ptr<uint8_t>({arena_buffer_.get()});
     sizing_ = false;
     arena_used_ = 0;
     upload_walk();
@@ -840,11 +585,13 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
       return;
     }
     gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, accumulate, 1}, stream_);
+    launched();
   }
 
   // The experts' GEMM over the grouped assignment slots (rows of X gathered through `rows` / `div`).
   void grouped(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y, int ldy) {
     gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T * c_.top_k, counts_, offsets_, rows, div, false, c_.experts}, stream_);
+    launched();
   }
 
   // The decode path's kernels go out with programmatic dependent launch (the kernels' start_next_kernel /
@@ -853,73 +600,56 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
   template <class... P, class... A>
   void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     CK(cuda::launch_dependent(stream_, {}, kernel, grid, block, smem, args...));
+    ++launches_;
   }
+  // Counts kernels launched otherwise (<<<>>> and the prefill kernels' launchers) for the counters.
+  void launched(int n = 1) { launches_ += uint64_t(n); }
 
   void swiglu(const float* g, const float* u, float* h, int64_t n) {
     swiglu_kernel<<<int((n + 255) / 256), 256, 0, stream_>>>(g, u, h, n);
+    launched();
   }
 
-  void grow_logits(int rows) {
-    if (rows <= logit_rows_) return;
-    CK(cudaStreamSynchronize(stream_));
-    for (float*& l : logits_) {
-      mem_->release(l);
-      l = mem_->alloc<float>(size_t(rows) * c_.vocab, gpu::Role::io);
-    }
-    logit_rows_ = rows;
-    drop_graphs();  // the decode graphs read and select from the logits rows they were captured with
+  float* act(Act a) { return f32(view(a)); }
+  int width(Act a) const { return int(act_width(c_, a)); }
+  static float* f32(View v) { return device_ptr<float>(v); }
+  __nv_bfloat16* kc(int layer) const { return device_ptr<__nv_bfloat16>(k_cache(layer)); }
+  __nv_bfloat16* vc(int layer) const { return device_ptr<__nv_bfloat16>(v_cache(layer)); }
+  // A chunk's or a step's intermediates (zeroed once: the counters the kernels keep start at 0), held until the
+  // backend goes.
+  View scratch_view(uint64_t bytes, const char* label, Role role = Role::activations) {
+    owned_.push_back(dev_.alloc(bytes, role, label));
+    dev_.zero({owned_.back().get()}, bytes);
+    return {owned_.back().get()};
   }
-
-  float* act(Act a) { return act_[int(a)]; }
-  int width(Act a) const { return int(width_[int(a)]); }
   template <class T>
-  T* scratch(size_t n) {  // a chunk's or a step's intermediates
-    return mem_->alloc<T>(n, gpu::Role::activations);
+  T* scratch(size_t n, const char* label) {
+    return device_ptr<T>(scratch_view(n * sizeof(T), label));
   }
-  size_t conv_size() const { return size_t(c_.conv_kernel - 1) * c_.conv_dim(); }
   size_t rec_size() const { return size_t(c_.lin_nv) * c_.lin_dk * c_.lin_dv; }
-  void check_rows(int T, const char* op) const {
-    if (T < 1 || T > rows_)
-      throw std::out_of_range(std::string("[") + op + "] " + std::to_string(T) + " rows, chunk limit is " +
-                              std::to_string(rows_));
-  }
   void check_pos(int64_t pos) const {
-    if (pos != s_->pos)
+    if (pos != position())
       throw std::logic_error("[cuda] op at position " + std::to_string(pos) + ", the bound state is at " +
-                             std::to_string(s_->pos));
+                             std::to_string(position()));
   }
 
-  const Model& m_;
-  const ModelConfig& c_;
-  const int rows_;
-  cudaStream_t stream_ = nullptr;
-  std::shared_ptr<DeviceMemory> mem_ = std::make_shared<DeviceMemory>();  // every allocation, by role
-  uint8_t* arena_ = nullptr;  // every weight (upload_weights)
+  CudaDevice& dev_;
+  cudaStream_t stream_ = nullptr;  // dev_'s
+  std::vector<std::shared_ptr<gpu::Buffer>> owned_;  // scratch
+  std::shared_ptr<gpu::Buffer> arena_buffer_;        // every weight (upload_weights)
+  uint8_t* arena_ = nullptr;                         // its device address
   uint64_t arena_used_ = 0;
   bool sizing_ = false;
   std::unordered_map<const Linear*, LinDev> lins_;
   std::unordered_map<const Vec*, const float*> vecs_;
   LinDev embed_;
-  int64_t width_[int(Act::count)] = {};
-  float* act_[int(Act::count)] = {};
-  int logit_rows_ = 0, imax_ = 0, sms_ = 1, slots_ = 1;  // slots_: decode_slots
+  int imax_ = 0, sms_ = 1, slots_ = 1;  // slots_: decode_slots
   float *qbuf_ = nullptr, *conv_out_ = nullptr, *attn_part_ = nullptr, *router_ = nullptr, *shared_logit_ = nullptr;
   float* gdn_packs_ = nullptr;  // gdn_chunked.cuh's per-(chunk, value head) packs for max_rows rows
   int32_t* route_ids_ = nullptr;
   float* route_w_ = nullptr;
   int *counts_ = nullptr, *offsets_ = nullptr, *perm_ = nullptr, *inv_ = nullptr;
   float *g_ = nullptr, *u_ = nullptr, *hbuf_ = nullptr, *ybuf_ = nullptr, *sy_ = nullptr;
-  int32_t* tokens_ = nullptr;
-  // Submissions: each reads token slot in_ and writes out_ (= in_ ^ 1) with its logits in logits_[out_]; a
-  // selecting one's token is copied to host_tok_[out_] and waits in unread_ for read_token.
-  int32_t* tok_slots_ = nullptr;  // [2]
-  int32_t* host_tok_ = nullptr;   // [2], pinned
-  float* logits_[2] = {};         // [logit_rows_, V] each
-  int in_ = 0, out_ = 1;
-  bool selects_ = false;
-  uint64_t committed_ = 0, selected_ = 0;  // submissions, and those of them that selected a token
-  cudaEvent_t done_[kDone] = {};
-  std::deque<Unread> unread_;
   ArgmaxSlot* argmax_slot_ = nullptr;
   // A device's last decode graph, shared by every CudaBackend of the process on it (launch_decode_graph).
   struct DecodeOrder {
@@ -941,22 +671,17 @@ class CudaBackend final : public Backend, public gpu::MemoryReport {
   unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [kMoeCounts]
   int route_layer_ = -1;               // the layer whose moe_decode takes the route (moe_norm_route)
   const float* route_norm_ = nullptr;  // and its post-attention norm
+  View pos_;  // the bound state's position, written before each submission
   int64_t* pos_dev_ = nullptr;
-  CudaState* s_ = nullptr;
-  Phase phase_ = Phase::prefill;
+  View sample_args_;  // a sampled generation's SampleArgs (its counter advanced by the kernel)
   Mode mode_ = Mode::direct;
-  int ops_ = 0, graph_ops_ = 0;
-  std::vector<std::pair<GraphKey, cudaGraphExec_t>> graphs_;  // of one (state, capacity, fusions, selection)
-  cudaGraphExec_t* graph_ = nullptr;                          // this step's, once captured
+  int ops_ = 0;
+  uint64_t launches_ = 0;     // kernels launched since begin()
+  std::vector<Graph> graphs_;  // of one (state, capacity, fusions, selection)
+  Graph* graph_ = nullptr;     // this step's, once captured
   GraphKey graph_key_;
-  const bool pipeline_;
-  // Token selection: sampled_ (sample.cuh, not argmax) with the generation's SampleArgs (its counter advanced
-  // by the kernel) and the penalty tables seen [V] and counts [V] (sampling.h).
-  SampleArgs* sample_args_dev_ = nullptr;
-  uint8_t* seen_dev_ = nullptr;
-  int32_t* counts_dev_ = nullptr;
-  bool selecting_ = false, sampled_ = false;
 };
+
 
 }  // namespace
 
@@ -974,7 +699,9 @@ std::string unavailable_reason() {
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const Model& model, int max_rows, bool pipeline) {
-  return std::make_unique<CudaBackend>(model, max_rows, pipeline);
+  if (const std::string why = unavailable_reason(); !why.empty()) throw std::runtime_error("[cuda] " + why);
+  if (max_rows <= 0) throw std::invalid_argument("[cuda] max_rows must be positive");
+  return std::make_unique<CudaBackend>(model, std::make_unique<CudaDevice>(), max_rows, pipeline);
 }
 
 void sample_rows(const float* logits, uint8_t* seen, int32_t* counts, uint64_t* counters, int rows, int vocab,

@@ -10,6 +10,7 @@
 #include "device.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -54,6 +55,27 @@ void MemoryLedger::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t r = 0; r < size_t(Role::count); ++r) m_.peak[r] = m_.live[r];
   m_.peak_total = m_.live_total;
+}
+
+namespace {
+uint8_t* cpu_view(View v) {
+  auto* base = static_cast<uint8_t*>(v.buffer->contents());
+  if (!base) throw std::logic_error("[device] buffer '" + v.buffer->label + "' has no CPU view");
+  return base + v.offset;
+}
+}  // namespace
+
+void Device::write(View dst, const void* src, uint64_t bytes) {
+  if (bytes) std::memcpy(cpu_view(dst), src, bytes);
+}
+void Device::read(View src, void* dst, uint64_t bytes) {
+  if (bytes) std::memcpy(dst, cpu_view(src), bytes);
+}
+void Device::copy(View dst, View src, uint64_t bytes) {
+  if (bytes) std::memcpy(cpu_view(dst), cpu_view(src), bytes);
+}
+void Device::zero(View dst, uint64_t bytes) {
+  if (bytes) std::memset(cpu_view(dst), 0, bytes);
 }
 
 Counters Device::counters() const {

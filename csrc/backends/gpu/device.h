@@ -33,7 +33,9 @@ class MemoryLedger;
 class Buffer {
  public:
   virtual ~Buffer();
-  virtual void* contents() = 0;  // CPU-visible pointer (unified memory on Apple silicon)
+  // CPU-visible pointer: unified memory on Apple silicon; null where the device's memory is its own (CUDA), whose
+  // Device moves bytes with write / read / copy / zero instead.
+  virtual void* contents() = 0;
   uint64_t size = 0;
   Role role = Role::activations;
   std::string label;
@@ -178,6 +180,16 @@ class Device {
   // Called before the weights are mapped with what the model will hold (the KV cache at `context` tokens):
   // MetalDevice compares it with the GPU's working-set limit and says what will happen and the remedy.
   virtual void plan_memory(uint64_t /*weight_bytes*/, uint64_t /*kv_bytes*/, uint64_t /*context*/) {}
+
+  // Bytes between the CPU and buffers, for what lies outside the command buffers (prompt ids, penalty tables,
+  // session files, logits). write, copy and zero come before whatever the device is given after them; read
+  // returns once the bytes are here, and sees what was written before it that has completed (callers wait for
+  // the command buffer that wrote them). The defaults use contents() (unified memory); a device whose memory
+  // is its own overrides all four.
+  virtual void write(View dst, const void* src, uint64_t bytes);
+  virtual void read(View src, void* dst, uint64_t bytes);
+  virtual void copy(View dst, View src, uint64_t bytes);
+  virtual void zero(View dst, uint64_t bytes);
 
  protected:
   void count(const Counters& c);

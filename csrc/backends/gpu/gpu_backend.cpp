@@ -6,7 +6,7 @@
 #include "gpu_backend.h"
 
 #include <algorithm>
-#include <cstring>
+#include <atomic>
 #include <stdexcept>
 #include <tuple>
 
@@ -20,6 +20,7 @@ constexpr int64_t kKvBlock = 256;
 // the state before the last decode step survives it and rollback() is a flip back (the KV row that step
 // wrote is simply overwritten later). Null where the layer is the other kind.
 struct GpuBackend::GpuState final : State {
+  const uint64_t serial = next_serial();
   std::vector<std::shared_ptr<Buffer>> k, v, conv[2], rec[2];
   int cur = 0;
   bool undoable = false;    // the last command buffer on this state was a decode step rollback() may undo
@@ -28,9 +29,14 @@ struct GpuBackend::GpuState final : State {
   // [0, rows) of every KV head from `from` (capacity from_cap) into `to` (the new buffer, already in k / v).
   struct Growth { std::shared_ptr<Buffer> from; Buffer* to; int64_t from_cap, to_cap, rows; };
   std::vector<Growth> growth;
+  static uint64_t next_serial() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+  }
 };
 
-GpuBackend::GpuBackend(const Model& model, std::unique_ptr<Device> device, int max_rows, bool pipeline)
+GpuBackend::GpuBackend(const Model& model, std::unique_ptr<Device> device, int max_rows, bool pipeline,
+                       ActFormat act_format)
     : m_(model), c_(model.config()), dev_(std::move(device)), rows_(max_rows), pipeline_(pipeline) {
   if (max_rows <= 0) throw std::invalid_argument(tag() + " max_rows must be positive");
   uint64_t weight_bytes = 0, kv_row_bytes = 0;  // what the GPU will hold: weights, KV bytes per position
@@ -38,10 +44,9 @@ GpuBackend::GpuBackend(const Model& model, std::unique_ptr<Device> device, int m
   for (int i = 0; i < c_.layers; ++i)
     if (c_.is_attention(i)) kv_row_bytes += 2ull * c_.n_kv * c_.head_dim * 2;
   dev_->plan_memory(weight_bytes, kv_row_bytes * uint64_t(c_.max_position), uint64_t(c_.max_position));
-  for (const auto& f : model.files()) files_.push_back(dev_->wrap(f->data(), f->size(), Role::weights, f->path()));
   for (int a = 0; a < int(Act::count); ++a) {
     if (a == int(Act::logits)) continue;
-    const int elem = a == int(Act::x) ? 4 : 2;
+    const int elem = a == int(Act::x) || act_format == ActFormat::f32 ? 4 : 2;
     act_[a] = dev_->alloc(uint64_t(rows_) * act_width(c_, Act(a)) * elem, Role::activations, act_name(Act(a)));
   }
   for (auto& row : row_logits_) row = dev_->alloc(uint64_t(c_.vocab) * 4, Role::io, "logits.row");
@@ -68,7 +73,7 @@ std::unique_ptr<State> GpuBackend::new_state() {
 }
 
 // Grows every attention layer's K/V to hold `tokens` rows, keeping rows [0, pos) of each KV head. No CPU
-// wait: the new buffers are allocated now (zeroed through the CPU view; nothing on the GPU uses them yet) and
+// wait: the new buffers are allocated now (zeroed by the Device; nothing on the GPU uses them yet) and
 // the copies are encode_copy_rows dispatches at the head of the next command buffer (begin()), ordered after
 // the command buffer in flight, which may still write the old buffers (kept alive until then).
 void GpuBackend::reserve(State& st, int64_t tokens) {
@@ -111,12 +116,10 @@ void GpuBackend::flush_growth(GpuState& s) {
   if (cb_) throw std::logic_error(tag() + " state read while a command buffer is being recorded");
   finish();
   cb_ = dev_->new_command_buffer();
-  enc_ = &cb_->encoder();
   encode_growth(s);
   cb_->commit();
   cb_->wait();
   cb_.reset();
-  enc_ = nullptr;
   retired_recording_.clear();
   total_[int(Phase::prefill)].add(since_last_account());  // outside any step; KV growth belongs to prefill
 }
@@ -130,7 +133,7 @@ std::unique_ptr<State> GpuBackend::clone_state(const State& st) {
   auto copy = [&](const std::shared_ptr<Buffer>& b) -> std::shared_ptr<Buffer> {
     if (!b) return nullptr;
     auto n = dev_->alloc(b->size, b->role, b->label);
-    std::memcpy(n->contents(), b->contents(), b->size);
+    dev_->copy({n.get()}, {b.get()}, b->size);
     return n;
   };
   for (int i = 0; i < c_.layers; ++i) {
@@ -144,7 +147,7 @@ std::unique_ptr<State> GpuBackend::clone_state(const State& st) {
 
 void GpuBackend::bind(State* s) { s_ = static_cast<GpuState*>(s); }
 
-// Session files: the state's buffers through their CPU view once the GPU is done. KV in the device's bf16
+// Session files: the state's buffers read through the Device once the GPU is done. KV in the device's bf16
 // [n_kv, rows in use, d]; conv and recurrent state f32, as the reference backend names them.
 std::vector<StateTensor> GpuBackend::export_state(const State& st) {
   auto& s = const_cast<GpuState&>(static_cast<const GpuState&>(st));
@@ -158,15 +161,15 @@ std::vector<StateTensor> GpuBackend::export_state(const State& st) {
       for (auto [nm, buf] : {std::pair{"k", s.k[i].get()}, std::pair{"v", s.v[i].get()}}) {
         StateTensor t{p + nm, "bf16", {c_.n_kv, s.pos, c_.head_dim}, std::vector<uint8_t>(uint64_t(c_.n_kv) * s.pos * row)};
         for (int h = 0; h < c_.n_kv && s.pos; ++h)
-          std::memcpy(t.data.data() + uint64_t(h) * s.pos * row,
-                      static_cast<const uint8_t*>(buf->contents()) + uint64_t(h) * s.capacity * row, uint64_t(s.pos) * row);
+          dev_->read({buf, uint64_t(h) * s.capacity * row}, t.data.data() + uint64_t(h) * s.pos * row,
+                     uint64_t(s.pos) * row);
         out.push_back(std::move(t));
       }
     } else {
       for (auto [nm, buf, shape] : {std::tuple{"conv", s.conv[s.cur][i].get(), std::vector<int64_t>{c_.conv_kernel - 1, c_.conv_dim()}},
                                     std::tuple{"rec", s.rec[s.cur][i].get(), std::vector<int64_t>{c_.lin_nv, c_.lin_dk, c_.lin_dv}}}) {
         StateTensor t{p + nm, "f32", shape, std::vector<uint8_t>(buf->size)};
-        std::memcpy(t.data.data(), buf->contents(), buf->size);
+        dev_->read({buf}, t.data.data(), buf->size);
         out.push_back(std::move(t));
       }
     }
@@ -197,14 +200,14 @@ void GpuBackend::import_state(State& st, int64_t pos, const std::vector<StateTen
       for (auto [nm, buf] : {std::pair{"k", s.k[i].get()}, std::pair{"v", s.v[i].get()}}) {
         const auto& t = find(p + nm, "bf16", {c_.n_kv, pos, c_.head_dim}, uint64_t(c_.n_kv) * pos * row);
         for (int h = 0; h < c_.n_kv && pos; ++h)
-          std::memcpy(static_cast<uint8_t*>(buf->contents()) + uint64_t(h) * s.capacity * row,
-                      t.data.data() + uint64_t(h) * pos * row, uint64_t(pos) * row);
+          dev_->write({buf, uint64_t(h) * s.capacity * row}, t.data.data() + uint64_t(h) * pos * row,
+                      uint64_t(pos) * row);
       }
     } else {
       const auto& cv = find(p + "conv", "f32", {c_.conv_kernel - 1, c_.conv_dim()}, s.conv[s.cur][i]->size);
       const auto& rc = find(p + "rec", "f32", {c_.lin_nv, c_.lin_dk, c_.lin_dv}, s.rec[s.cur][i]->size);
-      std::memcpy(s.conv[s.cur][i]->contents(), cv.data.data(), cv.data.size());
-      std::memcpy(s.rec[s.cur][i]->contents(), rc.data.data(), rc.data.size());
+      dev_->write({s.conv[s.cur][i].get()}, cv.data.data(), cv.data.size());
+      dev_->write({s.rec[s.cur][i].get()}, rc.data.data(), rc.data.size());
     }
   }
   s.pos = pos;
@@ -216,7 +219,6 @@ void GpuBackend::import_state(State& st, int64_t pos, const std::vector<StateTen
 void GpuBackend::begin(Phase phase, const Fusions& fusions) {
   if (cb_) throw std::logic_error(tag() + " begin() while a command buffer is being recorded");
   cb_ = dev_->new_command_buffer();
-  enc_ = &cb_->encoder();
   phase_ = phase;
   fusions_ = fusions;
   gdn_written_ = false;
@@ -235,7 +237,6 @@ void GpuBackend::commit() {
   retired_recording_.clear();
   for (auto& u : unread_)
     if (!u.seq) u.seq = committed_;
-  enc_ = nullptr;
   if (s_) {
     if (gdn_written_) s_->cur ^= 1;
     s_->undoable = phase_ == Phase::decode;
@@ -253,7 +254,6 @@ void GpuBackend::wait_mid_step() {
   cb_->wait();
   ++in_step_waits_;
   cb_ = dev_->new_command_buffer();
-  enc_ = &cb_->encoder();
 }
 
 // Undoes the last decode step on st, which may still be in flight: its GDN states went to the other copy,
@@ -276,7 +276,7 @@ void GpuBackend::read_logits(float* out, int rows) {
   if (!last_logits_ || rows > logit_rows_)
     throw std::out_of_range(tag() + " read_logits: " + std::to_string(rows) + " rows, computed " + std::to_string(logit_rows_));
   finish();
-  std::memcpy(out, last_logits_->contents(), size_t(rows) * c_.vocab * 4);
+  dev_->read({last_logits_}, out, uint64_t(rows) * c_.vocab * 4);
 }
 
 // Waits for the command buffers committed up to `seq`: CPU waits, each counted for the phase of the command
@@ -312,8 +312,13 @@ void GpuBackend::embed(const int32_t* tokens, int T) {
     if (tokens[t] < 0 || tokens[t] >= c_.vocab)
       throw std::out_of_range("[embed] token id " + std::to_string(tokens[t]) + " outside the vocabulary [0, " +
                               std::to_string(c_.vocab) + ")");
+  if (phase_ == Phase::decode && T == 1 && records_steps_once()) {
+    dev_->write({tokens_[slot_].get()}, tokens, 4);
+    embed_selected();
+    return;
+  }
   Buffer* ids = host_ids_[(committed_ + 1) % host_ids_.size()].get();
-  std::memcpy(ids->contents(), tokens, size_t(T) * 4);
+  dev_->write({ids}, tokens, uint64_t(T) * 4);
   encode_embed({ids}, T);
 }
 
@@ -333,10 +338,10 @@ void GpuBackend::select_begin(const Sampler& sampler) {
     seen_ = dev_->alloc(uint64_t(c_.vocab), Role::io, "sample.seen");
     counts_ = dev_->alloc(uint64_t(c_.vocab) * 4, Role::io, "sample.counts");
   }
-  std::memcpy(seen_->contents(), sampler.seen().data(), size_t(c_.vocab));
-  auto* counts = static_cast<int32_t*>(counts_->contents());
-  std::memset(counts, 0, size_t(c_.vocab) * 4);
-  for (const auto& [token, n] : sampler.counts()) counts[token] = n;
+  dev_->write({seen_.get()}, sampler.seen().data(), uint64_t(c_.vocab));
+  std::vector<int32_t> counts(size_t(c_.vocab), 0);
+  for (const auto& [token, n] : sampler.counts()) counts[size_t(token)] = n;
+  dev_->write({counts_.get()}, counts.data(), counts.size() * 4);
 }
 
 void GpuBackend::select_token() {
@@ -354,15 +359,17 @@ int32_t GpuBackend::read_token(float* logits) {
   const Unread u = unread_.front();
   unread_.pop_front();
   wait_until(u.seq);
-  if (logits) std::memcpy(logits, u.logits->contents(), size_t(c_.vocab) * 4);
-  return static_cast<const int32_t*>(tokens_[u.slot]->contents())[0];
+  if (logits) dev_->read({u.logits}, logits, uint64_t(c_.vocab) * 4);
+  int32_t token = 0;
+  dev_->read({tokens_[u.slot].get()}, &token, 4);
+  return token;
 }
 
 // ---------------------------------------------------------------- for the ops
 
 Encoder& GpuBackend::recording() {
-  if (!enc_) throw std::logic_error(tag() + " op recorded outside begin()/commit()");
-  return *enc_;
+  if (!cb_) throw std::logic_error(tag() + " op recorded outside begin()/commit()");
+  return cb_->encoder();
 }
 
 View GpuBackend::logits_rows(int rows) {
@@ -392,6 +399,9 @@ GdnStates GpuBackend::gdn_states(int layer) {
 View GpuBackend::k_cache(int layer) const { return {s_->k[layer].get()}; }
 View GpuBackend::v_cache(int layer) const { return {s_->v[layer].get()}; }
 int64_t GpuBackend::kv_capacity() const { return s_->capacity; }
+uint64_t GpuBackend::state_serial() const { return s_ ? s_->serial : 0; }
+int64_t GpuBackend::position() const { return s_ ? s_->pos : 0; }
+int GpuBackend::gdn_copy() const { return s_ ? s_->cur : 0; }
 
 std::string GpuBackend::tag() const { return std::string("[").append(name()).append("]"); }
 
@@ -402,7 +412,7 @@ void GpuBackend::check_rows(int T, const char* op) const {
 
 std::shared_ptr<Buffer> GpuBackend::zeroed(uint64_t bytes, Role role, const std::string& label) {
   auto b = dev_->alloc(bytes, role, label);
-  if (bytes) std::memset(b->contents(), 0, bytes);
+  dev_->zero({b.get()}, bytes);
   return b;
 }
 

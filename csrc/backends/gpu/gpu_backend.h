@@ -1,14 +1,15 @@
 // GpuBackend: what every GPU backend shares above its Device (device.h) — the session state on the device
 // (KV cache grown on the device, the GDN states in two copies for rollback), the activation buffers, token
 // slots and device-side token selection bookkeeping, prompt ids in a ring, the command buffers in flight
-// (pipelined decode), and the counters per phase. A GPU backend (backends/metal; a CUDA one the same way)
-// derives from it and implements the model's ops (backend.h) with its encoders, plus the three hooks below.
+// (pipelined decode), and the counters per phase. A GPU backend (backends/metal, backends/cuda) derives from
+// it and implements the model's ops (backend.h) with its kernels, plus the three hooks below.
 // docs/design.md shows how a backend plugs in.
 //
-// Device formats: x f32 [T, H]; logits f32 [rows, V]; every other activation bf16; KV cache bf16
-// [n_kv, capacity, d] per attention layer; GDN conv state f32 [k_c - 1, C], recurrent state f32
-// [n_v, d_k, d_v] per linear layer; tokens int32. Widths are act_width (backend.h). Buffer::contents() is a
-// CPU view (unified memory), read only after the GPU is done with it.
+// Device formats: x f32 [T, H]; logits f32 [rows, V]; every other activation bf16 (ActFormat::bf16, Metal) or
+// f32 (ActFormat::f32, CUDA); KV cache bf16 [n_kv, capacity, d] per attention layer; GDN conv state f32
+// [k_c - 1, C], recurrent state f32 [n_v, d_k, d_v] per linear layer; tokens int32. Widths are act_width
+// (backend.h). The CPU reaches buffers through the Device (write / read / copy / zero), reading only after
+// the GPU is done with them.
 #pragma once
 #include <array>
 #include <deque>
@@ -26,6 +27,9 @@ namespace lily::gpu {
 struct GdnStates {
   View conv_in, rec_in, conv_out, rec_out;
 };
+
+// The activations other than x and logits: bf16 (Metal's kernels), or f32 (CUDA's).
+enum class ActFormat : uint8_t { bf16, f32 };
 
 class GpuBackend : public Backend, public MemoryReport {
  public:
@@ -63,7 +67,8 @@ class GpuBackend : public Backend, public MemoryReport {
  protected:
   // `max_rows`: rows one prefill chunk may have (activation buffers are sized for it). `pipeline`: commit()
   // returns before the GPU is done, and decode runs with two command buffers in flight (pipelines()).
-  GpuBackend(const Model& model, std::unique_ptr<Device> device, int max_rows, bool pipeline);
+  GpuBackend(const Model& model, std::unique_ptr<Device> device, int max_rows, bool pipeline,
+             ActFormat act_format = ActFormat::bf16);
 
   // ---- the hooks a GPU backend implements with its kernels
   // x rows [0, T) ← the embedding rows of the int32 ids in `ids`.
@@ -76,6 +81,11 @@ class GpuBackend : public Backend, public MemoryReport {
   // tables seen uint8 [V] and counts int32 [V].
   virtual void encode_select(View logits, View token, const SamplingParams* sample, uint64_t draws, View seen,
                              View counts) = 0;
+  // Whether decode steps are recorded once and replayed (CUDA graphs): then a decode step's host token goes
+  // into its input token slot, which the step embeds from as it does a selected token, so every step reads the
+  // same buffers. The Device must order its writes with the work before them (a stream's copies), as the
+  // previous step may still be selecting into that slot.
+  virtual bool records_steps_once() const { return false; }
 
   // ---- for the ops
   Encoder& recording();  // the encoder of the command buffer being recorded (throws outside begin/commit)
@@ -88,6 +98,21 @@ class GpuBackend : public Backend, public MemoryReport {
   View k_cache(int layer) const;
   View v_cache(int layer) const;
   int64_t kv_capacity() const;
+  // What a step reads and writes besides the activations, for a backend that records a step once and replays
+  // it (CUDA graphs): the bound state (serial: distinct for every state ever made, as an address is not), the
+  // GDN copy it reads, the token slot it embeds from (token_in) and the one it selects into with its logits
+  // row (token_out, the row logits_rows(1) gives), the penalty tables (null until a penalised generation) and
+  // whether the generation selects by plain greedy.
+  uint64_t state_serial() const;
+  int64_t position() const;  // the bound state's
+  int gdn_copy() const;
+  int token_slot() const { return slot_; }
+  View token_in() const { return {tokens_[slot_].get()}; }
+  View token_out() const { return {tokens_[slot_ ^ 1].get()}; }
+  View row_logits_out() const { return {row_logits_[slot_ ^ 1].get()}; }
+  View penalty_seen() const { return {seen_.get()}; }
+  View penalty_counts() const { return {counts_.get()}; }
+  bool plain_greedy() const { return plain_greedy_; }
   void check_rows(int T, const char* op) const;
   // Keeps a buffer alive until the command buffer being recorded completes (it may read it).
   void retire(std::shared_ptr<Buffer> b) { retired_recording_.push_back(std::move(b)); }
@@ -101,7 +126,6 @@ class GpuBackend : public Backend, public MemoryReport {
 
   const Model& m_;
   const ModelConfig& c_;
-  std::vector<std::shared_ptr<Buffer>> files_;  // each mapped weight file, wrapped once
 
  private:
   struct GpuState;
@@ -149,7 +173,6 @@ class GpuBackend : public Backend, public MemoryReport {
   Buffer* last_logits_ = nullptr;  // what the last lm_head wrote
   GpuState* s_ = nullptr;
   std::unique_ptr<CommandBuffer> cb_;
-  Encoder* enc_ = nullptr;
   Phase phase_ = Phase::prefill;  // of the chunk or step being recorded (begin())
   Fusions fusions_;               // ... and its fusions
   bool gdn_written_ = false;

@@ -1,5 +1,5 @@
 // MetalBackend's construction (metal_backend.h): the device-side model — every weight matrix as a view of
-// its mapped file (GpuBackend wrapped each file once), the small fp32 vectors uploaded once — and the
+// its mapped file (each file wrapped once), the small fp32 vectors uploaded once — and the
 // families' scratch. The ops themselves live beside their kernels' encoders, in the family files.
 #include "metal_backend.h"
 
@@ -14,7 +14,7 @@ MetalBackend::MetalBackend(const Model& m, Device* device, int max_rows, const M
   if (opt_.attn_path < 0 || opt_.attn_path > 2) throw std::invalid_argument("[metal] attn_path must be 0, 1 or 2");
   if (opt_.moe_tile_rows != 0 && opt_.moe_tile_rows != 16 && opt_.moe_tile_rows != 32)
     throw std::invalid_argument("[metal] moe_tile_rows must be 0, 16 or 32");
-  // The weights: each mapped file became one buffer (GpuBackend), without copying where the platform allows.
+  // The weights: each mapped file becomes one buffer, without copying where the platform allows.
   // Alignment decision: a tensor of an MLX-written file may start at any byte (mlx does not pad the
   // safetensors header), so its rows have 1-byte alignment only. We neither refuse such files (they are the
   // published checkpoints) nor copy-align them at load (a second copy of ~20 GB of weights, or a rewrite of
@@ -23,6 +23,7 @@ MetalBackend::MetalBackend(const Model& m, Device* device, int max_rows, const M
   // kernel reads weights through metal/quant.h, which assumes 1-byte alignment (byte loads assembled in
   // registers). If a Mac measurement shows the byte loads cost decode bandwidth, the cheaper fix is at
   // conversion time (`lily convert` padding tensors to 16 bytes) plus an aligned variant, not a load-time copy.
+  for (const auto& f : m.files()) files_.push_back(dev_.wrap(f->data(), f->size(), Role::weights, f->path()));
   embed_ = matrix(m.embed);
   lm_head_ = matrix(m.lm_head);
   norm_ = vec(m.norm);

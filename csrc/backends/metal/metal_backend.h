@@ -97,6 +97,7 @@ class MetalBackend final : public gpu::GpuBackend {
   void attend_one_row(int layer, int64_t pos, AttnPrepareInputs prep);  // attn.cpp
 
   Device& dev_;
+  std::vector<std::shared_ptr<gpu::Buffer>> files_;  // each mapped weight file, wrapped once
   std::vector<std::shared_ptr<Buffer>> vec_buffers_;
   std::unordered_map<const Linear*, DeviceMatrix> matrices_;  // every Linear of the model
   std::unordered_map<const Vec*, DeviceVec> vecs_;            // every norm weight the ops take by Vec

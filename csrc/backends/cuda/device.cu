@@ -1,0 +1,112 @@
+// CudaDevice (device.h): buffers, command buffers and the CPU's copies on one CUDA stream.
+#include "device.h"
+
+#include <stdexcept>
+
+namespace lily::cuda {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("[cuda] ") + what + ": " + cudaGetErrorString(e));
+}
+#define CK(call) check((call), #call)
+
+CudaBuffer::~CudaBuffer() { cudaFree(ptr); }
+
+// The stream's work since the previous commit: commit() marks its end with an event, wait() waits for it.
+class CudaCommandBuffer final : public gpu::CommandBuffer {
+ public:
+  explicit CudaCommandBuffer(CudaDevice& dev) : dev_(dev) {
+    CK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+  }
+  ~CudaCommandBuffer() override { cudaEventDestroy(done_); }  // (released once it completes, if pending)
+  gpu::Encoder& encoder() override {
+    throw std::logic_error("[cuda] no gpu::Encoder: the CUDA backend's ops launch their kernels on the stream");
+  }
+  void commit() override {
+    CK(cudaEventRecord(done_, dev_.stream()));
+    dev_.count_command_buffer();
+  }
+  void wait() override {
+    CK(cudaEventSynchronize(done_));
+    dev_.count_wait();
+  }
+
+ private:
+  CudaDevice& dev_;
+  cudaEvent_t done_ = nullptr;
+};
+
+CudaDevice::CudaDevice() {
+  CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&read_stream_, cudaStreamNonBlocking));
+  CK(cudaEventCreateWithFlags(&host_ops_, cudaEventDisableTiming));
+}
+
+CudaDevice::~CudaDevice() {
+  cudaStreamSynchronize(stream_);
+  cudaEventDestroy(host_ops_);
+  cudaStreamDestroy(read_stream_);
+  cudaStreamDestroy(stream_);
+}
+
+std::shared_ptr<gpu::Buffer> CudaDevice::alloc(uint64_t bytes, gpu::Role role, const std::string& label) {
+  void* p = nullptr;
+  if (bytes && cudaMalloc(&p, bytes) != cudaSuccess)
+    throw std::runtime_error("[cuda] cannot allocate " + std::to_string(bytes) + " bytes of device memory for '" +
+                             label + "'");
+  return tracked(std::make_shared<CudaBuffer>(p), bytes, role, label);
+}
+
+std::shared_ptr<gpu::Buffer> CudaDevice::wrap(const void*, uint64_t, gpu::Role, const std::string& label) {
+  throw std::logic_error("[cuda] wrap('" + label + "'): device memory maps no host memory; weights are uploaded");
+}
+
+std::unique_ptr<gpu::CommandBuffer> CudaDevice::new_command_buffer() { return std::make_unique<CudaCommandBuffer>(*this); }
+
+// Host-to-device copies from pageable memory are staged before cudaMemcpyAsync returns, so `src` may go.
+void CudaDevice::write(gpu::View dst, const void* src, uint64_t bytes) {
+  if (!bytes) return;
+  CK(cudaMemcpyAsync(device_ptr<uint8_t>(dst), src, bytes, cudaMemcpyHostToDevice, stream_));
+  written();
+}
+
+void CudaDevice::read(gpu::View src, void* dst, uint64_t bytes) {
+  if (!bytes) return;
+  CK(cudaEventSynchronize(host_ops_));
+  CK(cudaMemcpyAsync(dst, device_ptr<uint8_t>(src), bytes, cudaMemcpyDeviceToHost, read_stream_));
+  CK(cudaStreamSynchronize(read_stream_));
+}
+
+void CudaDevice::copy(gpu::View dst, gpu::View src, uint64_t bytes) {
+  if (!bytes) return;
+  CK(cudaMemcpyAsync(device_ptr<uint8_t>(dst), device_ptr<uint8_t>(src), bytes, cudaMemcpyDeviceToDevice, stream_));
+  written();
+}
+
+void CudaDevice::zero(gpu::View dst, uint64_t bytes) {
+  if (!bytes) return;
+  CK(cudaMemsetAsync(device_ptr<uint8_t>(dst), 0, bytes, stream_));
+  written();
+}
+
+void CudaDevice::written() { CK(cudaEventRecord(host_ops_, stream_)); }
+
+void CudaDevice::count_launches(uint64_t n) {
+  gpu::Counters c;
+  c.dispatches = c.stages = n;
+  count(c);
+}
+
+void CudaDevice::count_command_buffer() {
+  gpu::Counters c;
+  c.command_buffers = 1;
+  count(c);
+}
+
+void CudaDevice::count_wait() {
+  gpu::Counters c;
+  c.cpu_waits = 1;
+  count(c);
+}
+
+}  // namespace lily::cuda

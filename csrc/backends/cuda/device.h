@@ -1,0 +1,65 @@
+// The CUDA flavour of the GPU Device interface (backends/gpu/device.h), under CudaBackend as MetalDevice is
+// under MetalBackend: device memory by role through the shared ledger, one stream every command buffer records
+// on (a command buffer is the stream's work between two commits, completing on an event), and the CPU's bytes
+// moved with stream-ordered copies, since this memory has no CPU view. CUDA kernels are launched by the
+// backend's ops in stream order, not recorded through gpu::Encoder (whose derived barriers a stream does not
+// need): encoder() refuses, and the backend counts its launches as dispatches (count_launches).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "../gpu/device.h"
+
+namespace lily::cuda {
+
+// Throws std::runtime_error naming the call and CUDA's message when e is not cudaSuccess.
+void check(cudaError_t e, const char* what);
+
+class CudaBuffer final : public gpu::Buffer {
+ public:
+  explicit CudaBuffer(void* device_ptr) : ptr(device_ptr) {}
+  ~CudaBuffer() override;
+  void* contents() override { return nullptr; }  // device memory: no CPU view
+  void* const ptr;
+};
+
+// A view's device address as T*.
+template <class T>
+T* device_ptr(gpu::View v) {
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(static_cast<CudaBuffer*>(v.buffer)->ptr) + v.offset);
+}
+
+class CudaDevice final : public gpu::Device {
+ public:
+  CudaDevice();
+  ~CudaDevice() override;
+  std::string name() const override { return "cuda"; }
+  std::shared_ptr<gpu::Buffer> alloc(uint64_t bytes, gpu::Role role, const std::string& label) override;
+  // The CUDA backend copies the tensors it uses into device memory (CudaBackend::upload_weights): no mapping.
+  std::shared_ptr<gpu::Buffer> wrap(const void* data, uint64_t bytes, gpu::Role role, const std::string& label) override;
+  std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override;
+  void write(gpu::View dst, const void* src, uint64_t bytes) override;
+  void read(gpu::View src, void* dst, uint64_t bytes) override;
+  void copy(gpu::View dst, gpu::View src, uint64_t bytes) override;
+  void zero(gpu::View dst, uint64_t bytes) override;
+
+  cudaStream_t stream() const { return stream_; }
+  // Kernels launched by the backend (each a dependency stage: the stream orders them).
+  void count_launches(uint64_t n);
+
+ private:
+  friend class CudaCommandBuffer;
+  void count_command_buffer();
+  void count_wait();
+  void written();  // after a stream-ordered write, copy or zero: read() waits for them
+
+  cudaStream_t stream_ = nullptr;
+  // read() copies on a stream of its own, so a read of a finished step's token does not queue behind the step
+  // in flight after it; host_ops_ marks the last write, copy or zero on stream_, which it waits for first.
+  cudaStream_t read_stream_ = nullptr;
+  cudaEvent_t host_ops_ = nullptr;
+};
+
+}  // namespace lily::cuda
