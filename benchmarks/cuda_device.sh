@@ -82,7 +82,7 @@ fi
 if has lilybench; then
   wait_synth
   timeout 200 python3 -m lily.cli bench --backend cuda --model /tmp/synth-full --lengths 4096 --contexts 4096 \
-    --decode-tokens 32 --repeats 2 --quiet --json "$OUT/lily_bench_cuda_full.json" 2>&1 | tail -15
+    --decode-tokens 32 --repeats 2 --counters --quiet --json "$OUT/lily_bench_cuda_full.json" 2>&1 | tail -15
 fi
 if has bytes; then
   wait_synth

@@ -6,8 +6,9 @@ sampled and penalised tokens, selected on the device inside the decode graph, eq
 (lily.Sampler) drawing from the same CUDA logits, also over several generations replaying one graph. The device
 sampler (sample.cuh) alone against the host sampler with test_sample.py's criterion. Two decode steps in flight
 equal to one at a time, and the step run ahead undone on a stop. Two engines decoding at once from two threads.
-Engine.memory() by role at the sizes the states and caches have. Runs where a CUDA device is present and skips
-with lily.backend_unavailable's reason otherwise; the build check runs everywhere.
+Engine.memory() by role at the sizes the states and caches have; Engine.counters() per chunk and step. Runs where
+a CUDA device is present and skips with lily.backend_unavailable's reason otherwise; the build check runs
+everywhere.
 """
 import shutil
 
@@ -347,6 +348,34 @@ def test_device_sampler_steps_feed_back(temperature, rng):
     assert len(set(want)) > 1
     np.testing.assert_array_equal(r["counts"][0], np.bincount(want, minlength=V))
     np.testing.assert_array_equal(np.flatnonzero(r["seen"][0]), sorted(set(want) | {1, 2, 3}))
+
+
+@needs_device
+def test_counters(ids):
+    """Engine.counters() on CUDA, GpuBackend's as on Metal: a prefill chunk or a decode step is one command buffer
+    with no CPU wait inside it; a decode step's dispatches are the kernels of its CUDA graph, the same whether the
+    step captures the graph or replays it: the embedding, four a GDN layer (the normed in_proj, the step, the out
+    projection, the experts with the route inside), six an attention layer (the normed q/k/v, the q/k
+    preparation, the split attention and its merge, the out projection, the experts), lm_head and the
+    selection. Bytes are metal-emu's count: none here."""
+    e = lily.Engine.from_pretrained(tm.get_model(tm.BASE, "mlx_q4_bf16"), backend="cuda", prefill_chunk=16)
+    c = e.config
+    n_attn = sum(t == "full_attention" for t in c.layer_types)
+    per_step = 1 + 4 * (c.num_hidden_layers - n_attn) + 6 * n_attn + 2
+    prompt, decode_ids = ids
+    s = e.new_session()
+    e.prefill(prompt, s)
+    p = e.counters()["prefill"]
+    assert p["total"]["command_buffers"] == -(-len(prompt) // 16), p["total"]
+    assert 0 < p["last"]["dispatches"] < p["total"]["dispatches"] and p["total"]["cpu_waits_in_step"] == 0, p
+    for k, t in enumerate(decode_ids[:4]):  # capture, capture (the other slot and GDN copy), replay, replay
+        e.prefill([t], s)
+        d = e.counters()["decode"]
+        last = d["last"]
+        assert last["dispatches"] == last["stages"] == per_step, (k, last["dispatches"], per_step)
+        assert last["command_buffers"] == 1 and last["cpu_waits_in_step"] == 0, last
+        assert d["total"]["dispatches"] == (k + 1) * per_step, d["total"]
+        assert not any(last["bytes_read"].values()) and not any(last["bytes_written"].values()), last
 
 
 @needs_device

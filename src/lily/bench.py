@@ -706,7 +706,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             res["interrupted"] = True
     elif args.counters and not res.get("counters"):
-        print(f"(no counters: the {args.backend} backend reports none; use --backend metal-emu or metal)")
+        print(f"(no counters: the {args.backend} backend reports none; use a GPU backend: metal-emu, metal or cuda)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.json}" + (" (interrupted: what finished)" if res["interrupted"] else ""),
@@ -755,8 +755,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--vs", choices=["mlx-lm"], help="also run MLX-LM on the same checkpoint, alternating")
     b.add_argument("--mlx-model", help="checkpoint directory for MLX-LM (default: the --model checkpoint)")
     b.add_argument("--counters", action="store_true",
-                   help="record Engine.counters() per phase and length in the --json file (metal-emu / metal "
-                        "backends)")
+                   help="record Engine.counters() per phase and length in the --json file (GPU backends: "
+                        "metal-emu, metal, cuda)")
     b.add_argument("--ablations", action="store_true",
                    help="with --counters: also the counters of a short generation under each fusion and MetalOptions "
                         "ablation, "

@@ -302,7 +302,8 @@ class Engine:
         """What the device spent, per phase: {"prefill": {"last": c, "total": c}, "decode": {...}} where c has
         dispatches, stages (dependency stages: barriers + 1), cpu_waits, command_buffers, and bytes_read /
         bytes_written by buffer role (weights, kv, state, activations, io). "last" is the last prefill chunk
-        or decode step; "total" every one so far. Metal backends only (metal-emu counts bytes); {} otherwise."""
+        or decode step; "total" every one so far. GPU backends (metal-emu counts bytes; cuda counts its kernel
+        launches, each a stage of its stream, and no bytes); {} otherwise."""
         return self._core.counters()
 
     def memory(self, reset_peak: bool = False) -> dict:

@@ -326,11 +326,10 @@ class CudaBackend final : public gpu::GpuBackend {
     const DeltaNetWeights& G = m_.layers[layer].gdn;
     auto step = [&](auto kernel) {
       const int S = gdn_step_cluster(c_.lin_dv);
-      CK(cuda::launch_dependent(stream_, {S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv),
-                                f32(st.conv_in), f32(st.conv_out), vec(G.conv), act(Act::beta),
-                                act(Act::alpha), act(Act::z), f32(st.rec_in), f32(st.rec_out),
-                                vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
-                                c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps));
+      launch_dependent(Placement{S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv), f32(st.conv_in),
+                       f32(st.conv_out), vec(G.conv), act(Act::beta), act(Act::alpha), act(Act::z), f32(st.rec_in),
+                       f32(st.rec_out), vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
+                       c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps);
     };
     switch (c_.lin_dk) {
       case 32: step(gdn_step_kernel<32>); break;
@@ -598,9 +597,13 @@ class CudaBackend final : public gpu::GpuBackend {
   // wait_previous_kernel say what each may do early): a GEMV then fetches its weights while the kernel before
   // it drains, instead of a launch latency and a memory latency after it. Kept in the decode graph.
   template <class... P, class... A>
-  void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
-    CK(cuda::launch_dependent(stream_, {}, kernel, grid, block, smem, args...));
+  void launch_dependent(Placement place, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    CK(cuda::launch_dependent(stream_, place, kernel, grid, block, smem, args...));
     ++launches_;
+  }
+  template <class... P, class... A>
+  void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
+    launch_dependent(Placement{}, kernel, grid, block, smem, args...);
   }
   // Counts kernels launched otherwise (<<<>>> and the prefill kernels' launchers) for the counters.
   void launched(int n = 1) { launches_ += uint64_t(n); }
