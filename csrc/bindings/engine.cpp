@@ -273,7 +273,7 @@ void init_engine(nb::module_& m) {
             // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total"}: device memory the
             // backend allocated (mapped weight files not included); GPU backends only ({} otherwise).
             nb::dict d;
-            auto* mb = dynamic_cast<gpu::MemoryReport*>(&e.backend());
+            auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
             if (!mb) return d;
             const gpu::Memory m = mb->memory();
             nb::dict live, peak;

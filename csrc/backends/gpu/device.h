@@ -2,7 +2,8 @@
 // report), kernels by index into the backend's kernel table, command buffers with one concurrent compute
 // encoder, completion waits. A GPU backend implements Device, CommandBuffer and Encoder's do_dispatch /
 // do_barrier for its API (backends/metal: device_metal.mm on Apple's Metal, device_emu.cpp through the MSL
-// emulator); everything else here (derived barriers, counters, the ledger) is shared. docs/design.md.
+// emulator; backends/cuda: device.cu, whose kernels go on a stream in order and need no Encoder); everything
+// else here (derived barriers, counters, the ledger) is shared. docs/design.md.
 //
 // Barriers are derived, not written by hand: every dispatch declares how it uses each bound range
 // (read / write), and Encoder inserts a barrier only when a dispatch touches a range that an earlier
@@ -143,15 +144,6 @@ class Encoder {
   std::vector<Range> stage_reads_, stage_writes_;
   uint64_t dispatches_ = 0, barriers_ = 0;
   uint64_t per_kernel_[kMaxKernels] = {};
-};
-
-// The device memory a backend allocated, by role, as Engine.memory() reports it: GpuBackend's through its
-// Device, the CUDA backend's through a MemoryLedger of its own.
-class MemoryReport {
- public:
-  virtual ~MemoryReport() = default;
-  virtual Memory memory() const = 0;
-  virtual void reset_peak_memory() = 0;  // peaks restart from what is live
 };
 
 class CommandBuffer {

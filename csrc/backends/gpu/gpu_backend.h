@@ -31,13 +31,14 @@ struct GdnStates {
 // The activations other than x and logits: bf16 (Metal's kernels), or f32 (CUDA's).
 enum class ActFormat : uint8_t { bf16, f32 };
 
-class GpuBackend : public Backend, public MemoryReport {
+class GpuBackend : public Backend {
  public:
   // What the device spent on the last prefill chunk / decode step (cumulative = every one since creation).
   Counters counters(Phase phase, bool cumulative) const { return cumulative ? total_[int(phase)] : last_[int(phase)]; }
   Device& device() { return *dev_; }
-  Memory memory() const override { return dev_->memory(); }
-  void reset_peak_memory() override { dev_->reset_peak_memory(); }
+  // The device memory the backend and its states allocated, by role (Engine.memory()).
+  Memory memory() const { return dev_->memory(); }
+  void reset_peak_memory() { dev_->reset_peak_memory(); }
   virtual const char* kernel_label(KernelIndex kernel) const = 0;  // the name of a kernel of Counters
 
   std::string name() const override { return dev_->name(); }
