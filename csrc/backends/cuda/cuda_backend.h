@@ -1,8 +1,8 @@
 // The CUDA backend: the schedule's ops as CUDA kernels on one NVIDIA GPU (built for sm_90a when nvcc is
 // present, LILY_HAVE_CUDA). Weights are copied to the device once; activations and the GDN state are fp32,
 // the KV cache bf16; prefill GEMMs run on the tensor cores (bf16 operands, fp32 accumulation, weights
-// dequantised tile by tile); a decode step is captured once as a CUDA graph and replayed.
-// Plain C++ so the bindings include it without nvcc.
+// dequantised tile by tile); a decode step is captured once as a CUDA graph and replayed. A gpu::GpuBackend
+// (cuda_backend.cu) over a CudaDevice (device.h). Plain C++ so the bindings include it without nvcc.
 #pragma once
 #include <cstdint>
 #include <memory>
