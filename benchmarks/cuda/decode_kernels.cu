@@ -8,7 +8,7 @@
 //        -o build/decode_kernels && build/decode_kernels
 //
 // `--small` runs only the small shapes, untimed (for compute-sanitizer); `--profile` the model's shapes once each,
-// untimed (for ncu). Timing: 40 launches captured in a
+// untimed (for ncu), `--step` the step chain alone three times (to compare builds). Timing: 40 launches captured in a
 // CUDA graph with programmatic dependent launch, as the decode step runs, each on its own copy of the weights
 // (so they come from DRAM, not L2), the median of 10 replays; then a step's worth of the model's projections
 // and experts (40 layers, distinct weights, and the logits' projection and argmax) the same way.
@@ -695,6 +695,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   CK(cudaFuncSetAttribute(stream_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem)));
+  if (mode == "--step") {  // the step chain alone, three times (A/B comparisons of builds)
+    for (int i = 0; i < 3; ++i) step_case();
+    return 0;
+  }
   if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
     gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);
     gemv_case({{248320, 4}}, 2048, true, false, false);

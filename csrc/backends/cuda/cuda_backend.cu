@@ -165,7 +165,7 @@ class CudaBackend final : public gpu::GpuBackend {
       launch_decode_graph();
       mode_ = Mode::direct;
     } else {
-      dev_.count_launches(launches_);
+      dev_.launched(launches_);
     }
     CK(cudaGetLastError());
     GpuBackend::commit();
@@ -441,7 +441,7 @@ class CudaBackend final : public gpu::GpuBackend {
     CK(cudaStreamWaitEvent(stream_, decode_order_->last, 0));
     CK(cudaGraphLaunch(graph_->exec, stream_));
     CK(cudaEventRecord(decode_order_->last, stream_));
-    dev_.count_launches(graph_->launches);
+    dev_.launched(graph_->launches);
   }
 
   void drop_graphs() {

@@ -91,15 +91,11 @@ void CudaDevice::zero(gpu::View dst, uint64_t bytes) {
 
 void CudaDevice::written() { CK(cudaEventRecord(host_ops_, stream_)); }
 
-void CudaDevice::count_launches(uint64_t n) {
-  gpu::Counters c;
-  c.dispatches = c.stages = n;
-  count(c);
-}
-
 void CudaDevice::count_command_buffer() {
   gpu::Counters c;
   c.command_buffers = 1;
+  c.dispatches = c.stages = launches_;
+  launches_ = 0;
   count(c);
 }
 

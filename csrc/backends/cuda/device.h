@@ -3,7 +3,7 @@
 // on (a command buffer is the stream's work between two commits, completing on an event), and the CPU's bytes
 // moved with stream-ordered copies, since this memory has no CPU view. CUDA kernels are launched by the
 // backend's ops in stream order, not recorded through gpu::Encoder (whose derived barriers a stream does not
-// need): encoder() refuses, and the backend counts its launches as dispatches (count_launches).
+// need): encoder() refuses, and the backend counts its launches as dispatches (launched).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -46,12 +46,14 @@ class CudaDevice final : public gpu::Device {
   void zero(gpu::View dst, uint64_t bytes) override;
 
   cudaStream_t stream() const { return stream_; }
-  // Kernels launched by the backend (each a dependency stage: the stream orders them).
-  void count_launches(uint64_t n);
+  // Kernels the backend launched into the command buffer being recorded (each a dependency stage: the stream
+  // orders them), counted when it commits, as Metal counts an encoder's dispatches: GpuBackend::commit may first
+  // wait for an older command buffer and account that wait to the older one's phase.
+  void launched(uint64_t n) { launches_ += n; }
 
  private:
   friend class CudaCommandBuffer;
-  void count_command_buffer();
+  void count_command_buffer();  // and the launches recorded for it
   void count_wait();
   void written();  // after a stream-ordered write, copy or zero: read() waits for them
 
@@ -60,6 +62,7 @@ class CudaDevice final : public gpu::Device {
   // in flight after it; host_ops_ marks the last write, copy or zero on stream_, which it waits for first.
   cudaStream_t read_stream_ = nullptr;
   cudaEvent_t host_ops_ = nullptr;
+  uint64_t launches_ = 0;  // launched() since the last commit
 };
 
 }  // namespace lily::cuda
