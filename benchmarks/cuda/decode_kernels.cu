@@ -8,7 +8,8 @@
 //        -o build/decode_kernels && build/decode_kernels
 //
 // `--small` runs only the small shapes, untimed (for compute-sanitizer); `--profile` the model's shapes once each,
-// untimed (for ncu), `--step` the step chain alone three times (to compare builds). Timing: 40 launches captured in a
+// untimed (for ncu), `--step` the step chain alone three times (to compare builds), `--trace` the step chain once
+// and the experts' kernel's timeline in it (built with -DLILY_DECODE_TRACE: the stamps cost ~60 µs a step). Timing: 40 launches captured in a
 // CUDA graph with programmatic dependent launch, as the decode step runs, each on its own copy of the weights
 // (so they come from DRAM, not L2), the median of 10 replays; then a step's worth of the model's projections
 // and experts (40 layers, distinct weights, and the logits' projection and argmax) the same way.
@@ -675,6 +676,37 @@ void step_case() {
   cudaFree(token), cudaFree(slot);
 }
 
+// The experts' kernel's timeline in the step's last replay (a build with -DLILY_DECODE_TRACE): for `layers` of
+// its 40 launches from the 10th, each stamp's median and latest over the blocks that took it, in µs after the
+// launch's first block entered (kernels.cuh, MoeTracer).
+void print_moe_trace(int layers) {
+#ifdef LILY_DECODE_TRACE
+  static MoeTrace tr;
+  CK(cudaMemcpyFromSymbol(&tr, g_moe_trace, sizeof tr));
+  static const char* names[] = {"entry", "waited", "staged", "route_tile", "route_counted", "poll", "count_seen", "topk",
+                                "route", "routed0", "gate_up", "synced", "h_staged", "down_tile", "exit"};
+  static_assert(sizeof names / sizeof *names == int(MoeStamp::count), "a name a stamp");
+  for (int l = 10; l < 10 + layers; ++l) {
+    const auto& L = tr.t[(tr.launches[0] - 40 + l) % MoeTrace::kLaunches];
+    unsigned long long t0 = ~0ull;
+    for (const auto& b : L) if (b[0]) t0 = std::min(t0, b[0]);
+    std::printf("trace layer %d:", l);
+    for (int q = 0; q < int(MoeStamp::count); ++q) {
+      std::vector<double> v;
+      for (const auto& b : L) if (b[q] >= t0 && b[q]) v.push_back((b[q] - t0) * 1e-3);
+      if (v.empty()) continue;
+      std::sort(v.begin(), v.end());
+      std::printf(" %s %.2f/%.2f (%zu)", names[q], v[v.size() / 2], v.back(), v.size());
+    }
+    std::printf("\n");
+  }
+#else
+  (void)layers;
+  std::printf("--trace: build with -DLILY_DECODE_TRACE\n");
+  ++failures;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -698,6 +730,11 @@ int main(int argc, char** argv) {
   if (mode == "--step") {  // the step chain alone, three times (A/B comparisons of builds)
     for (int i = 0; i < 3; ++i) step_case();
     return 0;
+  }
+  if (mode == "--trace") {  // the step chain once, then the experts' kernel's timeline in it
+    step_case();
+    print_moe_trace(4);
+    return failures ? 1 : 0;
   }
   if (mode == "--profile") {  // the model's shapes once each, untimed: for ncu
     gemv_case({{8192, 4}, {4096, 4}, {32, 4}, {32, 4}}, 2048, true, false, false);

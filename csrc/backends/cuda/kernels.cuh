@@ -1101,6 +1101,41 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 
 constexpr int kDownTileRows = 16;
 
+// The experts' kernel's timeline, for the decode harness (benchmarks/cuda/decode_kernels.cu --trace, built with
+// -DLILY_DECODE_TRACE): thread 0 of each block stamps %globaltimer at the block-wide steps of a launch, each
+// block's launches in a ring. Other builds compile the stamps away.
+enum class MoeStamp {
+  entry, waited, staged, route_tile, route_counted, poll, count_seen, topk, route, routed0, gate_up, synced,
+  h_staged, down_tile, exit, count
+};
+#ifdef LILY_DECODE_TRACE
+struct MoeTrace {
+  static constexpr int kLaunches = 64, kBlocks = 264;
+  unsigned long long t[kLaunches][kBlocks][int(MoeStamp::count)];
+  unsigned launches[kBlocks];  // each block's launches so far
+};
+__device__ MoeTrace g_moe_trace;
+struct MoeTracer {
+  int slot = -1;  // this launch's place in the ring (thread 0 of a traced block)
+  __device__ void begin() {
+    if (threadIdx.x != 0 || blockIdx.x >= MoeTrace::kBlocks) return;
+    slot = int(atomicAdd(&g_moe_trace.launches[blockIdx.x], 1u) % MoeTrace::kLaunches);
+    for (auto& t : g_moe_trace.t[slot][blockIdx.x]) t = 0;
+  }
+  __device__ void operator()(MoeStamp s) const {
+    if (slot < 0) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    g_moe_trace.t[slot][blockIdx.x][int(s)] = t;
+  }
+};
+#else
+struct MoeTracer {
+  __device__ void begin() {}
+  __device__ void operator()(MoeStamp) const {}
+};
+#endif
+
 // Rows [r0, r0 + n) of a down tile (at `tile`) · the staged h, weighted, added into x.
 __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t* tile, uint32_t slot_bytes, int r0,
                                               int n, const float* hs, const float* ws, float shared_w,
@@ -1170,6 +1205,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   __shared__ float route_w[kMaxTopK];
   __shared__ float scratch[32];
   __shared__ float partial[kDecodeWarps][kDownTileRows];
+  MoeTracer stamp;
+  stamp.begin();
+  stamp(MoeStamp::entry);
   start_next_kernel();
   const int TR = MoeDecode::kTileRows, K = m.K, route_tiles = m.route_tiles(), shared_tiles = m.shared_tiles();
   const int unrouted = route_tiles + shared_tiles, tiles = m.gate_up_tiles(), G = int(gridDim.x);
@@ -1232,18 +1270,23 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   NormChunk nc;
   nc.load(norm, H);
   wait_previous_kernel();
+  stamp(MoeStamp::waited);
   float* xs = reinterpret_cast<float*>(dtile + m.down_tile_bytes(down_rows));
   QChunk* qx = reinterpret_cast<QChunk*>(xs + padded_floats(H));
   bool have_route = false;
   // the route; the tiles it makes issuable from gate/up tile i on, and the first down tile
   auto take_route = [&](int i) {
     if (threadIdx.x < 32) {
+      stamp(MoeStamp::poll);
       if (route_tiles && threadIdx.x == 0)
         while (ld_acquire(counts) < unsigned(route_tiles)) __nanosleep(32);
+      stamp(MoeStamp::count_seen);
       __syncwarp();
       warp_topk(logits, m.E, K, route, route_w);
+      stamp(MoeStamp::topk);
     }
     __syncthreads();  // the route (and the barriers' initialisation)
+    stamp(MoeStamp::route);
     have_route = true;
     issue_until(i + stages, true);
     if (threadIdx.x == kIssuer && my_down) issue_down(0);
@@ -1251,12 +1294,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   };
   if (!route_tiles) take_route(0);  // the logits are the kernel before's: the routed tiles go out before the staging
   stage_row(xin, H, norm, nc, eps, xs, qx, scratch);
+  stamp(MoeStamp::staged);
   LaneX<U> xl;
   xl.load(xs, qx, H);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int i = 0; i < ring.count; ++i) {
     if (!have_route && routed(i)) take_route(i);
     ring.wait(i);
+    if (routed(i) && (i == 0 || !routed(i - 1))) stamp(MoeStamp::routed0);
     if (ring.tile(i) < route_tiles) {
       with_route_tile(i, [&](const LinDev& W, float* out, int r0, int n) {
         for (int r = warp; r < n; r += kDecodeWarps) {
@@ -1267,9 +1312,11 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
         }
       });
       __syncthreads();
+      stamp(MoeStamp::route_tile);
       if (threadIdx.x == 0) {
         __threadfence();  // the tile's logits (the block's, ordered before by the barrier) before its count
         atomicAdd(counts, 1u);
+        stamp(MoeStamp::route_counted);
       }
     } else {
       with_tile(i, [&](const LinDev& Gw, const LinDev& Up, int, int slot, int r0, int n) {
@@ -1290,6 +1337,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
   if (!have_route) take_route(ring.count);  // a block of route and shared tiles only: its down tile needs it
   // gate/up done here; down once every block is
   __syncthreads();
+  stamp(MoeStamp::gate_up);
   if (threadIdx.x == 0) {
     __threadfence();  // the block's h rows before its count
     atomicAdd(counts + 1, 1u);
@@ -1297,18 +1345,22 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       while (ld_acquire(counts + 1) < unsigned(G)) __nanosleep(32);
   }
   __syncthreads();
+  stamp(MoeStamp::synced);
   if (my_down) {
     float* hs = reinterpret_cast<float*>(smem);  // the ring's memory: every gate/up tile is consumed
     stage(h, (K + 1) * m.ldh, hs);
     const float shared_w = sigmoidf_(__ldcg(shared_logit));
     __syncthreads();
+    stamp(MoeStamp::h_staged);
     for (int k = 0; k < my_down; ++k) {
       mbar_wait(&down_full, k & 1);
+      if (k == 0) stamp(MoeStamp::down_tile);
       const int r0 = (int(blockIdx.x) + k * G) * down_rows;
       down_tile_dot(m, dtile, slot_bytes, r0, min(down_rows, m.down.rows - r0), hs, route_w, shared_w, partial, x);
       if (k + 1 < my_down && threadIdx.x == kIssuer) issue_down(k + 1);  // (down_tile_dot ends on a barrier)
     }
   }
+  stamp(MoeStamp::exit);
   if (threadIdx.x == 0 && atomicAdd(counts + 2, 1u) == unsigned(G) - 1)  // every block is past its waits
     counts[0] = counts[1] = counts[2] = 0;
 }
