@@ -4,13 +4,14 @@
 # cuda`). Logs and JSON go to $OUT (default ./out). Steps: STEPS="build kernels decode test synth bench" (default
 # all; kernels / decode: benchmarks/cuda/prefill_kernels.cu / decode_kernels.cu, each under compute-sanitizer on
 # its small shapes, then in full; kernels times the earlier prefill kernels too when build/old_kernels.cuh, a
-# copy of them in namespace lily::old, was carried).
+# copy of them in namespace lily::old, was carried; trace: the experts' kernel's timeline in the decode harness's
+# step chain, from a build with -DLILY_DECODE_TRACE).
 # Tiny test models: $LILY_TEST_MODELS (carried: the mlx kinds cannot be built without mlx there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-build kernels decode test synth bench chunk512 lilybench}  # also: bytes profile ncu
+STEPS=${STEPS:-build kernels decode test synth bench chunk512 lilybench}  # also: trace bytes profile ncu
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
@@ -47,6 +48,13 @@ if has decode; then
   timeout 120 compute-sanitizer --tool memcheck build/decode_kernels --small >"$OUT/decode_memcheck.log" 2>&1
   tail -4 "$OUT/decode_memcheck.log"
   timeout 300 build/decode_kernels 2>&1 | tee "$OUT/decode_kernels.log"
+fi
+if has trace; then
+  log "the experts' kernel's timeline in the step chain"
+  mkdir -p build
+  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc -DLILY_DECODE_TRACE benchmarks/cuda/decode_kernels.cu \
+    -o build/decode_trace >"$OUT/trace_build.log" 2>&1 || tail -20 "$OUT/trace_build.log"
+  timeout 120 build/decode_trace --trace 2>&1 | tee "$OUT/decode_trace.log"
 fi
 if has test; then
   log tests
