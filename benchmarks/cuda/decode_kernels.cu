@@ -683,8 +683,9 @@ void print_moe_trace(int layers) {
 #ifdef LILY_DECODE_TRACE
   static MoeTrace tr;
   CK(cudaMemcpyFromSymbol(&tr, g_moe_trace, sizeof tr));
-  static const char* names[] = {"entry", "waited", "staged", "route_tile", "route_counted", "poll", "count_seen", "topk",
-                                "route", "routed0", "gate_up", "synced", "h_staged", "down_tile", "exit"};
+  static const char* names[] = {"entry",  "waited",  "staged",  "route_tile", "route_counted", "poll",
+                                "count_seen", "topk_first", "topk", "route", "routed0", "gate_up", "synced",
+                                "h_staged", "down_tile", "down_summed", "exit"};
   static_assert(sizeof names / sizeof *names == int(MoeStamp::count), "a name a stamp");
   for (int l = 10; l < 10 + layers; ++l) {
     const auto& L = tr.t[(tr.launches[0] - 40 + l) % MoeTrace::kLaunches];

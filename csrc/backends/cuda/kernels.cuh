@@ -966,8 +966,13 @@ constexpr int kTopkPerLane = 16;  // logits a lane of warp_topk holds: E ≤ 512
 // holding it with another. The block-staged version before it (the logits through shared memory behind a block
 // barrier, then K rounds of five 64-bit shuffle levels) cost the experts' kernel ~1 µs more a layer (harness).
 // The logits may be other blocks' writes of the same kernel (read through L2); the route lands in ids[K] /
-// weights[K] (shared or global).
-__device__ __forceinline__ void warp_topk(const float* logits, int E, int K, int* ids, float* weights) {
+// weights[K] (shared or global). first_taken() runs once the first round is done (every logit read by then).
+struct NoProbe {
+  __device__ void operator()() const {}
+};
+template <class Probe = NoProbe>
+__device__ __forceinline__ void warp_topk(const float* logits, int E, int K, int* ids, float* weights,
+                                          Probe first_taken = {}) {
   const int lane = threadIdx.x & 31;
   uint32_t key[kTopkPerLane];
 #pragma unroll
@@ -990,7 +995,7 @@ __device__ __forceinline__ void warp_topk(const float* logits, int E, int K, int
         if (j == (id >> 5)) key[j] = 0;
     }
     const float v = ordered_value(top);
-    if (k == 0) top0 = v;
+    if (k == 0) top0 = v, first_taken();
     if (lane == k) ids[k] = id, w = expf(v - top0);
   }
   const float sum = warp_sum(lane < K ? w : 0.f);
@@ -1105,8 +1110,8 @@ constexpr int kDownTileRows = 16;
 // -DLILY_DECODE_TRACE): thread 0 of each block stamps %globaltimer at the block-wide steps of a launch, each
 // block's launches in a ring. Other builds compile the stamps away.
 enum class MoeStamp {
-  entry, waited, staged, route_tile, route_counted, poll, count_seen, topk, route, routed0, gate_up, synced,
-  h_staged, down_tile, exit, count
+  entry, waited, staged, route_tile, route_counted, poll, count_seen, topk_first, topk, route, routed0, gate_up,
+  synced, h_staged, down_tile, down_summed, exit, count
 };
 #ifdef LILY_DECODE_TRACE
 struct MoeTrace {
@@ -1139,7 +1144,8 @@ struct MoeTracer {
 // Rows [r0, r0 + n) of a down tile (at `tile`) · the staged h, weighted, added into x.
 __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t* tile, uint32_t slot_bytes, int r0,
                                               int n, const float* hs, const float* ws, float shared_w,
-                                              float (&partial)[kDecodeWarps][kDownTileRows], float* x) {
+                                              float (&partial)[kDecodeWarps][kDownTileRows], float* x,
+                                              const MoeTracer& stamp) {
   // pairs: the routed slots' chunks (down.cols / 32 each), then the shared expert's (sdown.cols / 32)
   const int K = m.K, chunks = m.down.cols / 32, pairs = K * chunks + m.sdown.cols / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1180,6 +1186,7 @@ __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t*
     if (lane == 0) partial[warp][r] = v;
   }
   __syncthreads();
+  stamp(MoeStamp::down_summed);
   if (threadIdx.x < n) {
     float s = 0.f;
 #pragma unroll
@@ -1282,7 +1289,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
         while (ld_acquire(counts) < unsigned(route_tiles)) __nanosleep(32);
       stamp(MoeStamp::count_seen);
       __syncwarp();
-      warp_topk(logits, m.E, K, route, route_w);
+      warp_topk(logits, m.E, K, route, route_w, [&] { stamp(MoeStamp::topk_first); });
       stamp(MoeStamp::topk);
     }
     __syncthreads();  // the route (and the barriers' initialisation)
@@ -1356,7 +1363,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       mbar_wait(&down_full, k & 1);
       if (k == 0) stamp(MoeStamp::down_tile);
       const int r0 = (int(blockIdx.x) + k * G) * down_rows;
-      down_tile_dot(m, dtile, slot_bytes, r0, min(down_rows, m.down.rows - r0), hs, route_w, shared_w, partial, x);
+      down_tile_dot(m, dtile, slot_bytes, r0, min(down_rows, m.down.rows - r0), hs, route_w, shared_w, partial, x,
+                    stamp);
       if (k + 1 < my_down && threadIdx.x == kIssuer) issue_down(k + 1);  // (down_tile_dot ends on a barrier)
     }
   }
