@@ -107,7 +107,7 @@ if has ncu; then
   # hardware counters of one decode layer's kernels (a penalised sampler: the step runs without its graph)
   wait_synth
   log ncu
-  timeout 240 ncu --clock-control none -k "regex:${NCU_KERNELS:-gemv_kernel|moe_gate_up|moe_down|gdn_scan_kernel|gdn_conv_kernel|attention}" \
+  timeout 240 ncu --clock-control none -k "regex:${NCU_KERNELS:-gemv_kernel|moe_decode_kernel|gdn_step_kernel|attention}" \
     --launch-skip ${NCU_SKIP:-200} --launch-count ${NCU_COUNT:-16} --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section WarpStateStats python3 -c "
 import numpy as np, lily
