@@ -203,12 +203,17 @@ def test_a_device_without_one_simdgroup_is_refused(rng):
 @pytest.mark.parametrize("case", ["temperature", "top_k50", "top_p0.9", "min_p0.05", "penalties_filters",
                                   "greedy_penalties"])
 def test_qwen_vocab(case, order, rng):
+    """The real vocabulary: every token is the host's or within rounding of a CDF step (run_and_compare checks
+    each). Not bounded in number, unlike the small vocabularies: with ~10^5 tokens kept the steps are ~1e-5
+    apart, and the device's fp32 cumulative and 24-bit u cross one now and then (LILY_TEST_SEED=851340296: both
+    rows, u 1.2e-7 and 2.9e-8 below the host's step, the device taking the next kept token; test_cuda.py says
+    the same of CUDA)."""
     N = 2
     logits = random_rows(rng, N, QWEN_VOCAB)
     seen, counts = random_history(rng, N, QWEN_VOCAB)
     p = params(seed=int(rng.integers(1 << 63)), **CASES[case])
     counters = np.array([0, 3], np.uint64)
-    assert run_and_compare(rng, p, logits, seen, counts, counters, order) <= 1
+    run_and_compare(rng, p, logits, seen, counts, counters, order)
 
 
 @pytest.mark.parametrize("order", ORDERS)
