@@ -1,7 +1,8 @@
 """CUDA figures on one GPU, in one process: the two ceilings measured the way METHOD.md asks (a device-to-device
 copy, counting bytes read and written; an 8192^3 bf16 matrix product through torch, on random data), then the
 lily CUDA backend on a checkpoint: prefill throughput at each length and decode throughput at each context, the
-latter two ways (greedy generation with the token kept on the GPU, and the host-argmax loop `lily bench` runs),
+latter two ways (greedy generation with the token kept on the GPU, as `lily bench` times it, and a loop of
+one-token prefills with the argmax taken on the host),
 with the minimum bytes a decode step must move (lily.bench.minimum_decode_bytes) and the fraction of the memory
 roofline that gives. torch is only the ceilings' instrument; lily never imports it.
 

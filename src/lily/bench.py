@@ -11,9 +11,11 @@ Method (the write-up's sweep):
   token). Throughput = L / seconds.
 * Decode at context C: C random tokens are prefilled once per engine (untimed); each repeat then works on a copy
   of that state (``Session.fork`` / a deep copy of the MLX prompt cache) and times N single-token steps: a
-  random first token, then greedy (lily: N calls of ``Engine.prefill`` with one token, feeding back the argmax;
-  MLX-LM: ``generate_step`` on the one token with ``max_tokens=N-1``, i.e. N forward passes, synchronised at the
-  end). Throughput = N / seconds.
+  random first token, then greedy, each engine on its own generation path (lily: ``Engine.generate`` of N
+  tokens at temperature 0 on the session, whose prompt adds only that token: the token selected on the device
+  and the next step committed before the CPU reads it, as an application's generation runs; MLX-LM:
+  ``generate_step`` on the one token with ``max_tokens=N-1``). Either way N forward passes, synchronised at the
+  end. Throughput = N / seconds (lily: per token generated, should a greedy end-of-sequence token come first).
 * Warm-up: --warmup untimed runs of every engine and phase at the smallest length before anything is timed.
 * Rounds alternate the order within each length: lily, mlx-lm, mlx-lm, lily, lily, mlx-lm, ... (round r runs
   lily first when r is even), so drift (thermal, cache, other load) falls on both engines evenly. The order
@@ -212,15 +214,15 @@ class LilyRunner:
     def context(self, ids: np.ndarray):
         s = self.engine.new_session()
         self.engine.prefill(ids, s)
-        return s
+        return s, [int(t) for t in ids]
 
     def decode(self, ctx, first: int, n: int) -> float:
-        s = ctx.fork()
-        e, tok = self.engine, int(first)
+        s, ids = ctx
+        fork = s.fork()
         t0 = time.perf_counter()
-        for _ in range(n):
-            tok = int(np.argmax(e.prefill([tok], s)))
-        return time.perf_counter() - t0
+        r = self.engine.generate(ids + [int(first)], session=fork, max_tokens=n, temperature=0, stop=None)
+        seconds = time.perf_counter() - t0
+        return seconds * n / max(1, len(r.token_ids))
 
 
 class MlxRunner:
