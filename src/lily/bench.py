@@ -220,7 +220,9 @@ class LilyRunner:
         s, ids = ctx
         fork = s.fork()
         t0 = time.perf_counter()
-        r = self.engine.generate(ids + [int(first)], session=fork, max_tokens=n, temperature=0, stop=None)
+        # plain greedy, as MLX-LM's side runs, whatever penalties the checkpoint's generation_config.json sets
+        r = self.engine.generate(ids + [int(first)], session=fork, max_tokens=n, temperature=0, stop=None,
+                                 repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
         seconds = time.perf_counter() - t0
         return seconds * n / max(1, len(r.token_ids))
 
