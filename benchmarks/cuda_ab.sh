@@ -37,14 +37,15 @@ for n in "${NAMES[@]}"; do
   (cd "${TREE[$n]}" && cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DPython_EXECUTABLE="$(command -v python3)" -DLILY_METAL_EMU=OFF >"$OUT/ab_build_$n.log" 2>&1 &&
     cmake --build build/dev -j"$jobs" >>"$OUT/ab_build_$n.log" 2>&1 && ln -sf "${TREE[$n]}"/build/dev/_core*.so src/lily/ ||
-    { echo "$n: lily build failed"; tail -20 "$OUT/ab_build_$n.log"; }) &
+    { echo "$n: lily build failed"; tail -20 "$OUT/ab_build_$n.log"; }
+    # the checkpoint, once A's lily._core is there (lily.cli imports it), while the other builds go on
+    if [ "$n" = A ] && has decode && [ ! -d /tmp/synth-full ]; then
+      log "synth full"
+      PYTHONPATH=$ROOT/src python3 -m lily.cli synth --scale full --out /tmp/synth-full >"$OUT/ab_synth.log" 2>&1 ||
+        tail -5 "$OUT/ab_synth.log"
+    fi) &
 done
 wait
-if has decode && [ ! -d /tmp/synth-full ]; then  # (lily.cli imports lily._core: after A's build)
-  log "synth full"
-  PYTHONPATH=$ROOT/src python3 -m lily.cli synth --scale full --out /tmp/synth-full >"$OUT/ab_synth.log" 2>&1 ||
-    tail -5 "$OUT/ab_synth.log"
-fi
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for n in "${NAMES[@]}"; do
     if has step; then
