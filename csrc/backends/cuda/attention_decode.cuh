@@ -63,8 +63,8 @@ struct KvSplit {
         const int64_t s = s0 + int64_t(t) * kAttnTileKeys + r;
         const bool read = s < s1 && s != fresh;
         const int64_t at = (read ? s : s0) * D + c;
-        cp_async16(kt + r * attn_pitch<D>() + c, K + at, read ? 16 : 0);
-        cp_async16(vt + r * attn_pitch<D>() + c, V + at, read ? 16 : 0);
+        cp_async16_once(kt + r * attn_pitch<D>() + c, K + at, read ? 16 : 0);
+        cp_async16_once(vt + r * attn_pitch<D>() + c, V + at, read ? 16 : 0);
       }
     }
     cp_async_commit();

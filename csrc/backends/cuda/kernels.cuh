@@ -591,16 +591,11 @@ struct GemvJobs {
   bool accumulate = false;
 };
 
-// f(W_j, out_j), with the job's parameters at fixed offsets (a runtime index into a kernel parameter array
-// makes the compiler copy the whole array to local memory).
+// f(W_j, out_j): the parameters read where they are (the kernel's jobs are a __grid_constant__), so that f's
+// code is there once and not once a job
 template <class F>
 __device__ __forceinline__ void with_job(const GemvJobs& jobs, int j, F&& f) {
-  switch (j) {
-    case 0: f(jobs.W[0], jobs.out[0]); break;
-    case 1: f(jobs.W[1], jobs.out[1]); break;
-    case 2: f(jobs.W[2], jobs.out[2]); break;
-    default: f(jobs.W[3], jobs.out[3]); break;
-  }
+  f(jobs.W[j], jobs.out[j]);
 }
 
 // out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null), rows of at most 1,024·U columns; `xn_out`, when
@@ -608,7 +603,7 @@ __device__ __forceinline__ void with_job(const GemvJobs& jobs, int j, F&& f) {
 // [stages · stage_bytes] tiles, then the staged row (gemv_row_bytes). Each warp takes the tile's rows warp,
 // warp + 8, ….
 template <int U>
-__global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(GemvJobs jobs, const float* x, int cols,
+__global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(const __grid_constant__ GemvJobs jobs, const float* x, int cols,
                                                                   const float* norm, float eps, float* xn_out,
                                                                   int stages, uint32_t stage_bytes) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -809,7 +804,7 @@ __global__ void __launch_bounds__(kGdnStepThreads)
   float col[R];
   const int64_t at = int64_t(h) * DK * dv + int64_t(i0) * dv + j;
 #pragma unroll
-  for (int i = 0; i < R; ++i) col[i] = rec_in[at + int64_t(i) * dv];
+  for (int i = 0; i < R; ++i) col[i] = __ldcs(rec_in + at + int64_t(i) * dv);  // (streamed: see bulk_load)
   float win[kGdnConvPerThread][7];  // per channel: the k_c - 1 state inputs (k_c <= 8; constant indices only)
 #pragma unroll
   for (int n = 0; n < kGdnConvPerThread; ++n) {
@@ -885,7 +880,7 @@ __global__ void __launch_bounds__(kGdnStepThreads)
   for (int q = 0; q < S; ++q) ss += ss_ranks[q];
   if (warp == 0) mix[h * dv + j] = o * rsqrtf(ss / float(dv) + eps) * w * siluf_(z[h * dv + j]);
 #pragma unroll
-  for (int i = 0; i < R; ++i) rec_out[at + int64_t(i) * dv] = col[i];
+  for (int i = 0; i < R; ++i) __stcs(rec_out + at + int64_t(i) * dv, col[i]);
 }
 
 // Prefill's causal conv + SiLU, one thread per (row, channel): row t reads inputs t - k_c + 1 … t, those before
