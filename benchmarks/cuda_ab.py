@@ -2,7 +2,10 @@
 (benchmarks/cuda_ab.sh runs each build's copy of this script in its own process, alternating): at each context,
 a prompt of random ids prefilled once into a session, then 64 greedy tokens three times from forks of it. One
 line a context: the median decode rate of those three, each rate, and a checksum of the tokens, which two
-builds of the same model function must share.
+builds of the same model function must share. Then a line of a turn's fixed costs at that context, medians of
+five: a session's fork (its state copied), one token answered on a fork (the prompt's one new token fed, the
+state copied before it is extended and snapshotted after, as Session does for undo and turn reuse), and what
+`lily bench` times, a whole generation of the tokens on a fork over its wall time.
 
     PYTHONPATH=<build>/src python3 benchmarks/cuda_ab.py --model /tmp/synth-full --tag A --contexts 128,4096
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 import zlib
 
 import numpy as np
@@ -37,6 +41,22 @@ def main() -> None:
             tokens = r.token_ids
         print(f"ab {args.tag:10s} context {c:6d}  {statistics.median(rates):7.1f} tok/s  "
               f"({' '.join(f'{x:.1f}' for x in rates)})  tokens {zlib.crc32(str(tokens).encode()):08x}", flush=True)
+        fork_ms, turn_ms, whole = [], [], []
+        for _ in range(5):
+            t = time.perf_counter()
+            f = ctx.fork()
+            fork_ms.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            e.generate(ids + [11], session=f, max_tokens=1, temperature=0, stop=None)
+            turn_ms.append((time.perf_counter() - t) * 1e3)
+            f = ctx.fork()
+            t = time.perf_counter()
+            r = e.generate(ids + [11], session=f, max_tokens=args.tokens, temperature=0, stop=None)
+            whole.append(len(r.token_ids) / (time.perf_counter() - t))
+            del f
+        print(f"turn {args.tag:9s} context {c:6d}  fork {statistics.median(fork_ms):6.2f} ms  one-token turn "
+              f"{statistics.median(turn_ms):6.2f} ms  whole generation {statistics.median(whole):6.1f} tok/s  "
+              f"cached {e.memory().get('cached', 0) / 2**20:,.0f} MB", flush=True)
 
 
 if __name__ == "__main__":

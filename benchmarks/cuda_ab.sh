@@ -53,7 +53,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     fi
     if has decode; then
       (cd "${TREE[$n]}" && PYTHONPATH=${TREE[$n]}/src timeout 150 python3 "$ROOT"/benchmarks/cuda_ab.py \
-        --model /tmp/synth-full --tag "$n" --contexts "${CONTEXTS:-128,4096}" 2>&1 | grep -E "^ab|Error" | tail -4)
+        --model /tmp/synth-full --tag "$n" --contexts "${CONTEXTS:-128,4096}" 2>&1 | grep -E "^ab|^turn|Error" | tail -6)
     fi
   done
 done

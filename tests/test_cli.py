@@ -25,10 +25,17 @@ SRC = Path(lily.__file__).resolve().parents[1]
 LONG = "ab" * 75_000  # 150 KB, 37,502 tokens: "Argument list too long" as an argument; a minute of prefill
 
 
+def _sigint_default() -> None:
+    # A shell's background job starts with SIGINT ignored, and Python then installs no KeyboardInterrupt handler:
+    # the CLI runs as it would from a terminal whatever started the tests.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def lily_cli(*args, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "lily.cli", *args], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default, **kw)
 
 
 def interrupt_during_prefill(p: subprocess.Popen, stdin_text: str, total: int) -> tuple[str, str, float]:
