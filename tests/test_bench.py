@@ -163,7 +163,7 @@ def test_bench_device_memory(gpu_backend):
     e.prefill(list(range(300)), s)  # a session held before the run: live, not part of the run's peak growth
     res = bench.run_bench(e, lengths=[8], contexts=[8], decode_tokens=2, repeats=1, warmup=0, progress=False)
     d = res["device_memory"]
-    assert set(d) == {"live", "peak", "live_total", "peak_total"}
+    assert set(d) == {"live", "peak", "live_total", "peak_total", "cached"}
     assert d["live"]["kv"] == e.memory()["live"]["kv"] > 0  # the held session's cache
     assert d["peak"]["kv"] > d["live"]["kv"] and d["peak"]["activations"] > 0  # the run's sessions came and went
     assert d["peak_total"] >= d["live_total"]

@@ -384,7 +384,8 @@ def test_memory_by_role(ids):
     (every tensor of the checkpoint at least once), each session's KV cache (bf16, grown as GpuBackend grows it
     for every GPU backend: blocks of 256 rows, at least doubling) and GDN states (fp32, two copies of each
     layer's conv and recurrent state) at their exact sizes, gone with the session; peaks that hold the most (a
-    cache growing holds its old rows and the new at once) and restart from what is live on reset_peak."""
+    cache growing holds its old rows and the new at once) and restart from what is live on reset_peak; a dropped
+    session's memory cached and taken again by the next session of its size."""
     import gc
     path = tm.get_model(tm.BASE, "mlx_q4_bf16")
     e = lily.Engine.from_pretrained(path, backend="cuda", prefill_chunk=16)
@@ -420,5 +421,16 @@ def test_memory_by_role(ids):
     after = e.memory()
     assert after["live"]["kv"] == 0 and after["live"]["state"] == 0, after["live"]
     assert after["peak"]["kv"] == peak_kv
+    # their memory is kept for reuse, not freed (cudaFree would wait for the device): a new session of the
+    # first one's size takes its blocks back
+    assert after["cached"] >= kv(256) + kv(2048) + 2 * state, after
+    s3 = e.new_session()
+    e.prefill(prompt, s3)
+    again = e.memory()
+    assert again["live"]["kv"] == kv(256) and again["live"]["state"] == state, again["live"]
+    assert again["cached"] == after["cached"] - kv(256) - state, (again["cached"], after["cached"])
+    assert again["live_total"] + again["cached"] == after["live_total"] + after["cached"]
+    del s3
+    gc.collect()
     e.memory(reset_peak=True)
     assert e.memory()["peak"] == e.memory()["live"]

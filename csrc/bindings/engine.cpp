@@ -270,7 +270,7 @@ void init_engine(nb::module_& m) {
       .def(
           "memory",
           [](Engine& e, bool reset_peak) {
-            // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total"}: device memory the
+            // {"live": {role: bytes}, "peak": {role: bytes}, "live_total", "peak_total", "cached"}: device memory the
             // backend allocated (mapped weight files not included); GPU backends only ({} otherwise).
             nb::dict d;
             auto* mb = dynamic_cast<gpu::GpuBackend*>(&e.backend());
@@ -282,6 +282,7 @@ void init_engine(nb::module_& m) {
               peak[gpu::role_name(gpu::Role(r))] = m.peak[r];
             }
             d["live"] = live, d["peak"] = peak, d["live_total"] = m.live_total, d["peak_total"] = m.peak_total;
+            d["cached"] = m.cached;
             if (reset_peak) mb->reset_peak_memory();
             return d;
           },

@@ -10,7 +10,50 @@ void check(cudaError_t e, const char* what) {
 }
 #define CK(call) check((call), #call)
 
-CudaBuffer::~CudaBuffer() { cudaFree(ptr); }
+BlockCache::~BlockCache() { release_all(); }
+
+void BlockCache::release_all() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [bytes, p] : free_) cudaFree(p);
+  free_.clear();
+  cached_ = 0;
+}
+
+void* BlockCache::take(uint64_t bytes, const std::string& label) {
+  if (!bytes) return nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = free_.find(bytes); it != free_.end()) {
+      void* p = it->second;
+      free_.erase(it);
+      cached_ -= bytes;
+      return p;
+    }
+  }
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    cudaGetLastError();  // the failed allocation's error is not sticky: clear it and retry with the cache freed
+    release_all();
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error("[cuda] cannot allocate " + std::to_string(bytes) + " bytes of device memory for '" +
+                               label + "'");
+    }
+  }
+  return p;
+}
+
+void BlockCache::give(void* p, uint64_t bytes) {
+  if (!p) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.emplace(bytes, p);
+  cached_ += bytes;
+}
+
+uint64_t BlockCache::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cached_;
+}
 
 // The stream's work since the previous commit: commit() marks its end with an event, wait() waits for it.
 class CudaCommandBuffer final : public gpu::CommandBuffer {
@@ -50,11 +93,7 @@ CudaDevice::~CudaDevice() {
 }
 
 std::shared_ptr<gpu::Buffer> CudaDevice::alloc(uint64_t bytes, gpu::Role role, const std::string& label) {
-  void* p = nullptr;
-  if (bytes && cudaMalloc(&p, bytes) != cudaSuccess)
-    throw std::runtime_error("[cuda] cannot allocate " + std::to_string(bytes) + " bytes of device memory for '" +
-                             label + "'");
-  return tracked(std::make_shared<CudaBuffer>(p), bytes, role, label);
+  return tracked(std::make_shared<CudaBuffer>(blocks_->take(bytes, label), bytes, blocks_), bytes, role, label);
 }
 
 std::shared_ptr<gpu::Buffer> CudaDevice::wrap(const void*, uint64_t, gpu::Role, const std::string& label) {

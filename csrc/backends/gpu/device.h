@@ -47,6 +47,7 @@ class Buffer {
 struct Memory {
   uint64_t live[size_t(Role::count)] = {}, peak[size_t(Role::count)] = {};
   uint64_t live_total = 0, peak_total = 0;
+  uint64_t cached = 0;  // freed by its buffers and kept by the device for reuse (CUDA's BlockCache), not live
 };
 
 class MemoryLedger {
@@ -161,7 +162,12 @@ class Device {
   // MetalDevice dispatches, stages, command buffers and waits).
   Counters counters() const;
   void reset_counters();
-  Memory memory() const { return ledger_->memory(); }
+  Memory memory() const {
+    Memory m = ledger_->memory();
+    m.cached = cached_bytes();
+    return m;
+  }
+  virtual uint64_t cached_bytes() const { return 0; }
   void reset_peak_memory() { ledger_->reset_peak(); }
 
   virtual std::string name() const = 0;
