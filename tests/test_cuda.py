@@ -95,6 +95,33 @@ def test_greedy_matches_reference(ids):
 
 
 @needs_device
+def test_sessions_taking_turns_decode_as_alone(ids):
+    """Three sessions generating in turns, a few tokens at a time (an agent's conversations, a server's
+    requests), a fork among them: each new state's steps replay a graph of another state's step updated to its
+    buffers (CudaBackend::keep_graph) or one captured anew, and every turn's tokens equal the reference's."""
+    prompt, more = ids
+
+    def turns(backend):
+        e = engine(tm.PEAKED, "mlx_q4_bf16", backend)
+        a = e.new_session()
+        e.prefill(prompt, a)
+        sessions = [a, a.fork(), e.new_session()]
+        history = [list(prompt), list(prompt) + list(more[:2]), list(more[2:7])]
+        out = []
+        for r in range(3):
+            for i, s in enumerate(sessions):
+                history[i].append(int(more[7 + r]))
+                got = e.generate(history[i], session=s, max_tokens=5, temperature=0, stop=None).token_ids
+                history[i] += got
+                out.append(got)
+        return out
+
+    want = turns("reference")
+    assert all(len(t) == 5 for t in want), want
+    assert turns("cuda") == want
+
+
+@needs_device
 @pytest.mark.parametrize("off", ["norm_project", "route", "attn_prepare", "gdn_step", "expert_swiglu",
                                  "expert_combine", "dequant"])
 def test_each_fusion_off_decodes_the_same(off, ids):
