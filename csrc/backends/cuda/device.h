@@ -23,9 +23,9 @@ void check(cudaError_t e, const char* what);
 // only when an allocation fails or the last buffer and device are gone. cudaFree waits for the whole device:
 // dropping a session snapshot (~140 buffers) would stall the decode step in flight, and a clone's cudaMallocs
 // cost milliseconds a turn (H100, synthetic:full at 4K: a fork 4.4 → 1.1 ms, a one-token turn, which copies
-// the state twice, 17.5 → 9.6 ms, a 64-token generation timed whole as `lily bench` does 451 → 483 tok/s). Reuse needs no wait: every use of device memory is ordered on the device's one
-// stream (kernels, graphs, copies, zeroing), so a block's new owner's work runs after its old owner's, and
-// read() copies synchronously. Buffers may be freed on any thread (a Python session dropped by the GC).
+// the state twice, 17.5 → 9.6 ms, a 64-token generation timed whole as `lily bench` does 451 → 483 tok/s).
+// Reuse needs no wait: every use of device memory is ordered on the device's one stream (kernels, graphs,
+// copies, zeroing), so a block's new owner's work runs after its old owner's, and read() copies synchronously. Buffers may be freed on any thread (a Python session dropped by the GC).
 class BlockCache {
  public:
   ~BlockCache();
