@@ -73,6 +73,8 @@ PY
     >"$OUT/test_cuda.log"; grep -E "passed|failed|PASSED|FAILED|ERROR|cuda vs" "$OUT/test_cuda.log" | tail -40
   LILY_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -rA tests/test_one_row_chunks.py -p no:cacheprovider 2>&1 \
     | grep -v "leaked\|^ - " >"$OUT/test_one_row.log"; grep -E "passed|failed|PASSED|FAILED|ERROR" "$OUT/test_one_row.log" | tail -12
+  LILY_TEST_BACKEND=cuda timeout 120 python3 -m pytest -q -rA tests/test_metal_model.py -k fork_continues \
+    -p no:cacheprovider 2>&1 | grep -v "leaked\|^ - " >"$OUT/test_fork.log"; grep -E "passed|failed|PASSED|FAILED|ERROR" "$OUT/test_fork.log" | tail -6
 fi
 wait_synth() { [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; tail -3 "$OUT/synth.log"; }; }
 if has bench; then

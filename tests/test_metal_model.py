@@ -289,6 +289,38 @@ def test_kv_growth_keeps_the_cache_on_the_device():
     assert after["kernels"].get("copy_rows", 0) - before.get("kernels", {}).get("copy_rows", 0) == 2
 
 
+def test_a_fork_continues_exactly_as_its_parent():
+    """A state's clone (a fork, a request's undo point, a turn's snapshot) copies each KV head's rows below the
+    position and the GDN copy in use, nothing else (GpuBackend::clone_state). So a fork fed what its parent was
+    fed gives the parent's logits bit for bit: forks taken after a prefill chunk and after decode steps (either
+    GDN parity), a fork of a fork, each with KV capacity above its position, through its own KV growth (which
+    copies only the rows below the position); and the parent, run after all its forks, is unchanged by them."""
+    rng = np.random.default_rng(23)
+    ids = [int(t) for t in rng.integers(0, tm.N_BPE, 290)]
+    e = engine(tm.BASE, "mlx_q4_bf16", tm.GPU_BACKEND)
+    a = e.new_session()
+    e.logits(ids[:40], a)  # capacity 256: rows 40..255 never written
+    forks, steps = [a.fork()], {}
+    for p in range(40, 43):  # decode steps: the forks hold both GDN parities
+        steps[p] = e.prefill([ids[p]], a)
+        forks.append(a.fork())
+    forks.append(forks[-1].fork())
+    assert [f.position for f in forks] == [40, 41, 42, 43, 43]
+
+    def tail(s):  # decode steps, then a prefill chunk past the 256 rows of the first capacity
+        return [e.prefill([t], s) for t in ids[43:47]] + [e.logits(ids[47:], s)]
+
+    got = []
+    for f in forks:
+        for p in range(f.position, 43):  # the steps its parent took after it was forked
+            assert np.array_equal(e.prefill([ids[p]], f), steps[p]), (f.position, p)
+        got.append(tail(f))
+    want = tail(a)
+    assert np.abs(want[-1]).max() > 0 and np.isfinite(want[-1]).all()
+    for i, g in enumerate(got):
+        assert all(np.array_equal(w, x) for w, x in zip(want, g)), i
+
+
 @pytest.mark.parametrize("tile", [16, 32])
 def test_tensor_ops_prefill(tile, ids, monkeypatch):
     """A device with Metal 4 tensor ops ($LILY_METAL_EMU_TENSOR_OPS, as an M5 reports them) runs every prefill

@@ -124,24 +124,33 @@ void GpuBackend::flush_growth(GpuState& s) {
   total_[int(Phase::prefill)].add(since_last_account());  // outside any step; KV growth belongs to prefill
 }
 
+// A clone (a fork, a request's undo point, a turn's snapshot) copies only what the state holds: each KV head's
+// rows below pos (not the capacity above it, which the next steps write) and the GDN copy `cur` (a step reads it
+// and writes the other whole, and a new state has no step to undo). At 4K on the real model that is ~147 MB of
+// a state's ~294 MB.
 std::unique_ptr<State> GpuBackend::clone_state(const State& st) {
   const auto& s = static_cast<const GpuState&>(st);
   flush_growth(const_cast<GpuState&>(s));
   finish();
   auto c = std::make_unique<GpuState>();
-  c->pos = s.pos, c->capacity = s.capacity;
-  auto copy = [&](const std::shared_ptr<Buffer>& b) -> std::shared_ptr<Buffer> {
-    if (!b) return nullptr;
-    auto n = dev_->alloc(b->size, b->role, b->label);
-    dev_->copy({n.get()}, {b.get()}, b->size);
-    return n;
-  };
+  c->pos = s.pos, c->capacity = s.capacity, c->cur = s.cur;
+  const uint64_t row = uint64_t(c_.head_dim) * 2;
+  auto like = [&](const std::shared_ptr<Buffer>& b) { return b ? dev_->alloc(b->size, b->role, b->label) : nullptr; };
   for (int i = 0; i < c_.layers; ++i) {
-    c->k.push_back(copy(s.k[i])), c->v.push_back(copy(s.v[i]));
-    for (int j = 0; j < 2; ++j)
-      c->conv[j].push_back(copy(s.conv[j][i])), c->rec[j].push_back(copy(s.rec[j][i]));
+    c->k.push_back(like(s.k[i])), c->v.push_back(like(s.v[i]));
+    for (int j = 0; j < 2; ++j) c->conv[j].push_back(like(s.conv[j][i])), c->rec[j].push_back(like(s.rec[j][i]));
+    if (c_.is_attention(i)) {
+      for (auto [to, from] : {std::pair{c->k[i].get(), s.k[i].get()}, std::pair{c->v[i].get(), s.v[i].get()}})
+        for (int h = 0; h < c_.n_kv && s.pos; ++h) {
+          const uint64_t at = uint64_t(h) * s.capacity * row;
+          dev_->copy({to, at}, {from, at}, uint64_t(s.pos) * row);
+        }
+    } else {
+      for (auto [to, from] : {std::pair{c->conv[s.cur][i].get(), s.conv[s.cur][i].get()},
+                              std::pair{c->rec[s.cur][i].get(), s.rec[s.cur][i].get()}})
+        dev_->copy({to}, {from}, from->size);
+    }
   }
-  c->cur = s.cur;
   return c;
 }
 
