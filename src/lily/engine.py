@@ -310,7 +310,8 @@ class Engine:
         """Device memory the backend allocated, by buffer role: {"live": {role: bytes}, "peak": {role: bytes},
         "live_total": n, "peak_total": n, "cached": n}; the peaks are the most held at once since the engine was
         made or since the last call with reset_peak=True; cached is memory freed by dropped states and
-        temporaries that the device keeps for the next allocation of the same size (cuda; 0 elsewhere).
+        temporaries, or allocated ahead beside a state's buffers, that the device keeps for the next allocation
+        of the same size (cuda; 0 elsewhere).
         Activations (the chunk's intermediates and scratch) and io (logits, token ids) are the temporaries,
         bounded by prefill_chunk rather than the prompt; kv and state belong to sessions; mapped weight files
         are not counted (cuda copies the weights to the device: they count under weights). GPU backends (metal,

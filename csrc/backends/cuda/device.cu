@@ -1,6 +1,8 @@
 // CudaDevice (device.h): buffers, command buffers and the CPU's copies on one CUDA stream.
 #include "device.h"
 
+#include <algorithm>
+#include <iterator>
 #include <stdexcept>
 
 namespace lily::cuda {
@@ -10,36 +12,64 @@ void check(cudaError_t e, const char* what) {
 }
 #define CK(call) check((call), #call)
 
-BlockCache::~BlockCache() { release_all(); }
-
-void BlockCache::release_all() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [bytes, p] : free_) cudaFree(p);
-  free_.clear();
-  cached_ = 0;
+BlockCache::~BlockCache() {
+  for (auto& [base, slab] : slabs_) cudaFree(base);
 }
 
-void* BlockCache::take(uint64_t bytes, const std::string& label) {
+void BlockCache::release_free_slabs() {
+  for (auto it = slabs_.begin(); it != slabs_.end();) {
+    Slab& slab = *it->second;
+    if (slab.held) {
+      ++it;
+      continue;
+    }
+    for (uint64_t i = 0; i < slab.blocks; ++i) slab_of_.erase(static_cast<uint8_t*>(slab.base) + i * slab.stride);
+    cudaFree(slab.base);
+    it = slabs_.erase(it);
+  }
+  // the blocks left in free_ are those of slabs still held
+  for (auto it = free_.begin(); it != free_.end();) it = slab_of_.count(it->second) ? std::next(it) : free_.erase(it);
+  cached_ = 0;
+  for (auto& [bytes, p] : free_) cached_ += bytes;
+}
+
+void* BlockCache::allocate(uint64_t bytes, uint64_t blocks) {
+  const uint64_t stride = (bytes + 255) & ~uint64_t(255);  // every block as aligned as cudaMalloc's own
+  void* base = nullptr;
+  if (cudaMalloc(&base, stride * blocks) != cudaSuccess) {
+    cudaGetLastError();  // the failed allocation's error is not sticky
+    return nullptr;
+  }
+  auto slab = std::make_unique<Slab>(Slab{base, stride, blocks, 1});
+  for (uint64_t i = 0; i < blocks; ++i) {
+    void* p = static_cast<uint8_t*>(base) + i * stride;
+    slab_of_[p] = slab.get();
+    if (i) free_.emplace(bytes, p), cached_ += bytes;
+  }
+  slabs_.emplace(base, std::move(slab));
+  return base;
+}
+
+void* BlockCache::take(uint64_t bytes, bool batch, const std::string& label) {
   if (!bytes) return nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = free_.find(bytes); it != free_.end()) {
-      void* p = it->second;
-      free_.erase(it);
-      cached_ -= bytes;
-      return p;
-    }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = free_.find(bytes); it != free_.end()) {
+    void* p = it->second;
+    free_.erase(it);
+    cached_ -= bytes;
+    ++slab_of_.at(p)->held;
+    return p;
   }
-  void* p = nullptr;
-  if (cudaMalloc(&p, bytes) != cudaSuccess) {
-    cudaGetLastError();  // the failed allocation's error is not sticky: clear it and retry with the cache freed
-    release_all();
-    if (cudaMalloc(&p, bytes) != cudaSuccess) {
-      cudaGetLastError();
-      throw std::runtime_error("[cuda] cannot allocate " + std::to_string(bytes) + " bytes of device memory for '" +
-                               label + "'");
-    }
+  const uint64_t blocks = batch ? std::max<uint64_t>(1, std::min(kBatchBlocks, kSlabBytes / bytes)) : 1;
+  void* p = allocate(bytes, blocks);
+  if (!p) {  // retry with the cache's free slabs released, then with one block
+    release_free_slabs();
+    p = allocate(bytes, blocks);
+    if (!p && blocks > 1) p = allocate(bytes, 1);
   }
+  if (!p)
+    throw std::runtime_error("[cuda] cannot allocate " + std::to_string(bytes) + " bytes of device memory for '" +
+                             label + "'");
   return p;
 }
 
@@ -48,6 +78,7 @@ void BlockCache::give(void* p, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   free_.emplace(bytes, p);
   cached_ += bytes;
+  --slab_of_.at(p)->held;
 }
 
 uint64_t BlockCache::cached_bytes() const {
@@ -93,7 +124,8 @@ CudaDevice::~CudaDevice() {
 }
 
 std::shared_ptr<gpu::Buffer> CudaDevice::alloc(uint64_t bytes, gpu::Role role, const std::string& label) {
-  return tracked(std::make_shared<CudaBuffer>(blocks_->take(bytes, label), bytes, blocks_), bytes, role, label);
+  const bool batch = role == gpu::Role::kv || role == gpu::Role::state;  // what a clone allocates
+  return tracked(std::make_shared<CudaBuffer>(blocks_->take(bytes, batch, label), bytes, blocks_), bytes, role, label);
 }
 
 std::shared_ptr<gpu::Buffer> CudaDevice::wrap(const void*, uint64_t, gpu::Role, const std::string& label) {

@@ -25,18 +25,33 @@ void check(cudaError_t e, const char* what);
 // cost milliseconds a turn (H100, synthetic:full at 4K: a fork 4.4 → 1.1 ms, a one-token turn, which copies
 // the state twice, 17.5 → 9.6 ms, a 64-token generation timed whole as `lily bench` does 451 → 483 tok/s).
 // Reuse needs no wait: every use of device memory is ordered on the device's one stream (kernels, graphs,
-// copies, zeroing), so a block's new owner's work runs after its old owner's, and read() copies synchronously. Buffers may be freed on any thread (a Python session dropped by the GC).
+// copies, zeroing), so a block's new owner's work runs after its old owner's, and read() copies synchronously.
+// Buffers may be freed on any thread (a Python session dropped by the GC).
+//
+// The cache is cold whenever every block of a size is held, as when an agent's turns keep their snapshots alive:
+// then each clone would cudaMalloc its ~140 buffers again. So a miss for a state's or KV cache's buffer (`batch`)
+// allocates a slab of up to kBatchBlocks blocks of that size (at most kSlabBytes) with one cudaMalloc and caches
+// the rest. A slab is freed only whole, when none of its blocks is held.
 class BlockCache {
  public:
+  static constexpr uint64_t kSlabBytes = 64ull << 20;
+  static constexpr uint64_t kBatchBlocks = 32;
   ~BlockCache();
-  void* take(uint64_t bytes, const std::string& label);  // throws, naming `label`, when the device is full
+  void* take(uint64_t bytes, bool batch, const std::string& label);  // throws, naming `label`, when the device is full
   void give(void* p, uint64_t bytes);
   uint64_t cached_bytes() const;
 
  private:
-  void release_all();  // cudaFree of every cached block (on a failed cudaMalloc, before trying again)
+  struct Slab {
+    void* base;
+    uint64_t stride, blocks, held;  // held: its blocks some buffer owns now
+  };
+  void* allocate(uint64_t bytes, uint64_t blocks);  // a new slab under mu_; null when the device is full
+  void release_free_slabs();  // cudaFree of every slab none of whose blocks is held (before allocating again)
   mutable std::mutex mu_;
-  std::unordered_multimap<uint64_t, void*> free_;
+  std::unordered_multimap<uint64_t, void*> free_;  // by block size
+  std::unordered_map<void*, Slab*> slab_of_;       // every block's slab
+  std::unordered_map<void*, std::unique_ptr<Slab>> slabs_;  // by base
   uint64_t cached_ = 0;
 };
 
