@@ -47,7 +47,7 @@ class Buffer {
 struct Memory {
   uint64_t live[size_t(Role::count)] = {}, peak[size_t(Role::count)] = {};
   uint64_t live_total = 0, peak_total = 0;
-  uint64_t cached = 0;  // freed by its buffers and kept by the device for reuse (CUDA's BlockCache), not live
+  uint64_t cached = 0;  // freed by its buffers or allocated ahead, kept by the device for reuse (CUDA's BlockCache)
 };
 
 class MemoryLedger {
