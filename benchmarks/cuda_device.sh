@@ -68,13 +68,15 @@ for g in (tm.PEAKED, tm.BASE, tm.INTERVAL2):
     d = tm.cache_root() / tm.CACHE_VERSION / f"{g.name}-{g.key()}" / "mlx_q4_bf16"
     print("test model", d, "complete" if (d / ".complete").exists() else "MISSING")
 PY
-  # nanobind's leak report at exit (the engines cached across tests) is noise here
-  timeout 300 python3 -m pytest -q -rA tests/test_cuda.py -p no:cacheprovider 2>&1 | grep -v "leaked\|^ - " \
-    >"$OUT/test_cuda.log"; grep -E "passed|failed|PASSED|FAILED|ERROR|cuda vs" "$OUT/test_cuda.log" | tail -40
-  LILY_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -rA tests/test_one_row_chunks.py -p no:cacheprovider 2>&1 \
-    | grep -v "leaked\|^ - " >"$OUT/test_one_row.log"; grep -E "passed|failed|PASSED|FAILED|ERROR" "$OUT/test_one_row.log" | tail -12
-  LILY_TEST_BACKEND=cuda timeout 120 python3 -m pytest -q -rA tests/test_metal_model.py -k fork_continues \
-    -p no:cacheprovider 2>&1 | grep -v "leaked\|^ - " >"$OUT/test_fork.log"; grep -E "passed|failed|PASSED|FAILED|ERROR" "$OUT/test_fork.log" | tail -6
+  tests_to() {  # LOG SECONDS LINES PYTEST_ARGS...: pytest's lines and its summary, LINES of them shown here
+    local out=$OUT/$1 t=$2 n=$3; shift 3
+    # nanobind's leak report at exit (the engines cached across tests) is noise here
+    timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider "$@" 2>&1 | grep -v "leaked\|^ - " >"$out"
+    grep -E "passed|failed|PASSED|FAILED|ERROR|cuda vs" "$out" | tail -"$n"
+  }
+  tests_to test_cuda.log 300 40 tests/test_cuda.py
+  LILY_TEST_BACKEND=cuda tests_to test_one_row.log 200 12 tests/test_one_row_chunks.py
+  LILY_TEST_BACKEND=cuda tests_to test_fork.log 120 6 tests/test_metal_model.py -k fork_continues
 fi
 wait_synth() { [ -n "${SYNTH:-}" ] && { log "wait synth"; wait "$SYNTH"; SYNTH=; tail -3 "$OUT/synth.log"; }; }
 if has bench; then

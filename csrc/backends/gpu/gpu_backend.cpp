@@ -141,7 +141,7 @@ std::unique_ptr<State> GpuBackend::clone_state(const State& st) {
     for (int j = 0; j < 2; ++j) c->conv[j].push_back(like(s.conv[j][i])), c->rec[j].push_back(like(s.rec[j][i]));
     if (c_.is_attention(i)) {
       for (auto [to, from] : {std::pair{c->k[i].get(), s.k[i].get()}, std::pair{c->v[i].get(), s.v[i].get()}})
-        for (int h = 0; h < c_.n_kv && s.pos; ++h) {
+        for (int h = 0; h < c_.n_kv; ++h) {
           const uint64_t at = uint64_t(h) * s.capacity * row;
           dev_->copy({to, at}, {from, at}, uint64_t(s.pos) * row);
         }
