@@ -239,6 +239,7 @@ void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused) {
   std::vector<float> xn = random_floats(H, -2.f, 2.f), router = random_floats(E, -4.f, 4.f);
   std::vector<float> sg = random_floats(1, -2.f, 2.f);
   if (fused) xn = rmsnorm(x0, g, 1e-6f);
+  else router[E - 1] = router[E / 2] = 5.f, router[E - 2] = router[1] = 4.5f;  // ties: the lower id first
   MoeBuffers b{upload(xn), upload(router), nullptr, nullptr, upload(sg), upload(x0), nullptr};
   float* dg = upload(g);
   b.norm = dg;
