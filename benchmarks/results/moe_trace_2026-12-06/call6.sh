@@ -1,3 +1,5 @@
+# As run at 23:50 UTC from the repository root, the patches then in exp/: p1 = topk_tree_down8.patch and p2 =
+# topk_tree_down8_dry_down.patch (beside this file; point the paths below at them to run it again).
 set -uo pipefail
 export PATH=$PATH:/usr/local/cuda/bin
 ROOT=$PWD
