@@ -82,10 +82,13 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
     return download(a.Y, ny);
   };
   const auto ref_rounded = run_ref(true), ref_exact = run_ref(false);
+  GemmScratch xh;
+  xh.elems = gemm_x_bf16_elems(gemm_x_rows(a), a.W.cols);
+  CK(cudaMalloc(&xh.xh, xh.elems * sizeof(__nv_bfloat16)));
   Err tight, loose;  // the worst over the tiles
   for (const GemmTile t : kGemmTiles) {
     CK(cudaMemcpy(a.Y, y0.data(), ny * 4, cudaMemcpyHostToDevice));
-    gemm_tiled(a, t, 0);
+    gemm_tiled(a, t, xh, 0);
     CK(cudaGetLastError());
     const auto got = download(a.Y, ny);
     const Err et = compare(got, ref_rounded), el = compare(got, ref_exact);
@@ -95,7 +98,7 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
   float ms_new = 0, ms_old = 0;
   const double flop = 2.0 * a.M * a.W.rows * a.W.cols;
   if (time && !a.accumulate) {
-    ms_new = time_ms([&] { gemm(a, 0); });
+    ms_new = time_ms([&] { gemm(a, xh, 0); });
 #ifdef LILY_OLD_KERNELS
     const auto o = old_args(a);
     ms_old = time_ms([&] {
@@ -117,7 +120,7 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
     const GemmTile picked = gemm_tile(a, sms);
     std::printf("      gemm() takes %dx%d; tiles (rows x weight rows):", picked.bm, picked.bn);
     for (const GemmTile t : kGemmTiles)
-      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, t.bn, flop / time_ms([&] { gemm_tiled(a, t, 0); }) * 1e-9);
+      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, t.bn, flop / time_ms([&] { gemm_tiled(a, t, xh, 0); }) * 1e-9);
     std::printf("\n");
   }
 }

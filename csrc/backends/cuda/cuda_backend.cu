@@ -108,6 +108,10 @@ class CudaBackend final : public gpu::GpuBackend {
     hbuf_ = scratch<float>(size_t(TK) * imax_, "moe.h");
     ybuf_ = scratch<float>(size_t(TK) * H, "moe.y");
     sy_ = scratch<float>(size_t(max_rows) * H, "moe.shared_y");
+    // a GEMM's activations as bf16: a chunk's rows of the widest input, or the experts' down over every slot
+    const int widest = std::max({H, c_.n_q * c_.head_dim, c_.lin_nv * c_.lin_dv, imax_});
+    xh_.elems = std::max(gemm_x_bf16_elems(max_rows, widest), gemm_x_bf16_elems(TK, imax_));
+    xh_.xh = scratch<__nv_bfloat16>(xh_.elems, "gemm.x_bf16");
     argmax_slot_ = scratch<ArgmaxSlot>(1, "argmax");
     moe_counts_ = scratch<unsigned>(kMoeCounts, "moe.decode_counts");
     pos_ = scratch_view(sizeof(int64_t), "pos", Role::io);
@@ -616,14 +620,15 @@ class CudaBackend final : public gpu::GpuBackend {
       gemv(jobs, X, nullptr, nullptr);
       return;
     }
-    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, accumulate, 1}, stream_);
-    launched();
+    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, accumulate, 1}, xh_, stream_);
+    launched(2);
   }
 
   // The experts' GEMM over the grouped assignment slots (rows of X gathered through `rows` / `div`).
   void grouped(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y, int ldy) {
-    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T * c_.top_k, counts_, offsets_, rows, div, false, c_.experts}, stream_);
-    launched();
+    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T * c_.top_k, counts_, offsets_, rows, div, false, c_.experts}, xh_,
+         stream_);
+    launched(2);
   }
 
   // The decode path's kernels go out with programmatic dependent launch (the kernels' start_next_kernel /
@@ -686,6 +691,7 @@ class CudaBackend final : public gpu::GpuBackend {
   float* route_w_ = nullptr;
   int *counts_ = nullptr, *offsets_ = nullptr, *perm_ = nullptr, *inv_ = nullptr;
   float *g_ = nullptr, *u_ = nullptr, *hbuf_ = nullptr, *ybuf_ = nullptr, *sy_ = nullptr;
+  GemmScratch xh_;  // the GEMMs' bf16 activations
   ArgmaxSlot* argmax_slot_ = nullptr;
   // A device's last decode graph, shared by every CudaBackend of the process on it (launch_decode_graph).
   struct DecodeOrder {

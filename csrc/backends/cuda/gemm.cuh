@@ -7,9 +7,9 @@
 // operands are stored the same way in shared memory, [row][k] with k contiguous, which is the layout ldmatrix
 // (non-transposed) turns into A fragments for the weights and "col" B fragments for the tokens.
 //
-// Pipelining: the next k-tile's global loads (raw weight bytes and fp32 activations) go to registers before
-// the current tile's mma and are converted and stored into the other of two shared-memory buffers after it,
-// so the loads are in flight during the mma; one barrier per k-tile.
+// Pipelining (gemm_mma_kernel): cp.async stages of the weights' raw bytes and of the activations, converted to
+// bf16 once per product by gemm_x_bf16_kernel rather than once per block, ahead of a dequantise-then-multiply
+// loop with one barrier per k-tile.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -84,23 +84,19 @@ enum WeightFormat : int { kWQ4, kWQ8, kWBF16, kWF16, kWF32 };
 template <int F>
 struct WeightChunk {
   static constexpr int kVecs = F == kWQ4 ? 1 : F == kWQ8 ? 2 : F == kWF32 ? 8 : 4;  // 16-byte vectors
+  static constexpr bool kQuantised = F == kWQ4 || F == kWQ8;
   uint4 q[kVecs];
   float scale, bias;
 };
 
-// Columns [c, c + 32) of row n of expert e (c a multiple of 32; a group holds 32k columns).
+// The scale and bias of columns [c, c + 32) of row n of expert e (quantised formats).
 template <int F>
-__device__ __forceinline__ void load_chunk(const LinDev& W, int e, int n, int c, WeightChunk<F>& w) {
-  const uint8_t* row = W.w + uint64_t(e) * W.w_expert + uint64_t(n) * W.w_row;
-  constexpr int kBytesPer32 = WeightChunk<F>::kVecs * 16;
-  const uint4* p = reinterpret_cast<const uint4*>(row + uint64_t(c / 32) * kBytesPer32);
-#pragma unroll
-  for (int i = 0; i < WeightChunk<F>::kVecs; ++i) w.q[i] = p[i];
-  if constexpr (F == kWQ4 || F == kWQ8) {
+__device__ __forceinline__ void load_scale(const LinDev& W, int e, int n, int c, float& scale, float& bias) {
+  if constexpr (WeightChunk<F>::kQuantised) {
     const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(n) * W.s_row;
     const int g = group_of(W, c);
-    w.scale = load_param(W.s + s_off, W.sdt, g);
-    w.bias = load_param(W.b + s_off, W.sdt, g);
+    scale = load_param(W.s + s_off, W.sdt, g);
+    bias = load_param(W.b + s_off, W.sdt, g);
   }
 }
 
@@ -160,13 +156,21 @@ struct GemmArgs {
   int groups;
 };
 
-constexpr int kGemmThreads = 256, kGemmTileK = 64;
+// Three stages: a tile's copies in flight while the next is dequantised and this one multiplied. Four would
+// not fit dense f32 weights' raw stages beside the rest at 128 × 128.
+constexpr int kGemmThreads = 256, kGemmTileK = 64, kGemmStages = 3;
 constexpr int kGemmPitch = kGemmTileK + 8;  // bf16 per shared row: 144 bytes, ldmatrix's 8 rows hit 8 bank groups
 
-template <int BN, int BM>
-constexpr int gemm_smem_bytes() {
-  return 2 * (BN + BM) * kGemmPitch * 2 + BM * 8;
-}
+// A block's shared memory: kGemmStages stages of the weights' raw bytes and the activations (bf16), both copied
+// with cp.async, and two buffers of the weights dequantised to bf16 (the mma's A operand).
+template <int F, int BN, int BM>
+struct GemmSmem {
+  static constexpr int kRawRow = 2 * WeightChunk<F>::kVecs * 16;  // a weight row's bytes in a k-tile
+  static constexpr int kRaw = kGemmStages * BN * kRawRow;
+  static constexpr int kX = kGemmStages * BM * kGemmPitch * 2;
+  static constexpr int kW = 2 * BN * kGemmPitch * 2;
+  static constexpr int kBytes = kRaw + kX + kW + BM * 8;
+};
 
 // The grouped product's tiles are numbered expert by expert (ceil(counts[e] / BM) each); warp 0 finds which
 // expert and which of its row tiles block `tile` is (expert -1: past the last tile).
@@ -192,18 +196,39 @@ __device__ __forceinline__ void find_group_tile(const int* counts, int groups, i
   }
 }
 
+// The activations as bf16 rows of ldxh (a multiple of 8) for the GEMM's 16-byte copies: 8 columns a thread.
+__global__ void gemm_x_bf16_kernel(const float* X, int ldx, int rows, int K, __nv_bfloat16* xh, int ldxh) {
+  const int per_row = K / 8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(rows) * per_row) return;
+  const int64_t r = i / per_row;
+  const int c = int(i % per_row) * 8;
+  const float4 a = *reinterpret_cast<const float4*>(X + r * ldx + c);
+  const float4 b = *reinterpret_cast<const float4*>(X + r * ldx + c + 4);
+  *reinterpret_cast<uint4*>(xh + r * ldxh + c) =
+      make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+}
+
 // One block: weight rows [n0, n0 + BN) × BM rows of p. Eight warps, 4 along the weight rows (BN / 4 each:
 // BN / 64 m16 tiles) × 2 along the tokens (BM / 2 each: BM / 16 n8 tiles).
+//
+// Pipelining: the weights' raw bytes and the bf16 activations of k-tile kt + 2 are copied (cp.async) while
+// tile kt + 1's weights are dequantised into one bf16 buffer and tile kt's products run from the other; their
+// scales are loaded into registers a tile ahead. One barrier per k-tile. (Two stages through registers, the
+// activations loaded as fp32 and converted by every block, ran the model's GEMMs at 88–155 TFLOP/s on the H200.)
 template <int F, int BN, int BM>
-__global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
+__global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, const __nv_bfloat16* xh, int ldxh) {
   static_assert(BM % 32 == 0, "a warp's tokens come in pairs of n8 tiles");
-  static_assert(BN % 128 == 0, "each thread loads whole 32-column chunks");
-  constexpr int MT = BN / 64, NT = BM / 16, kXVecs = BM * kGemmTileK / 4 / kGemmThreads;
-  constexpr int kWChunks = BN * kGemmTileK / 32 / kGemmThreads;
+  static_assert(BN % 128 == 0, "each thread dequantises whole 32-column chunks");
+  using Smem = GemmSmem<F, BN, BM>;
+  constexpr int MT = BN / 64, NT = BM / 16, S = kGemmStages, kRawRow = Smem::kRawRow;
+  constexpr int kWChunks = BN * kGemmTileK / 32 / kGemmThreads;           // dequantised 32-column chunks a thread
+  constexpr int kRawVecs = BN * kRawRow / 16, kXVecs = BM * kGemmTileK / 8;  // 16-byte copies a k-tile
   extern __shared__ __align__(16) uint8_t smem[];
-  __nv_bfloat16* Ws = reinterpret_cast<__nv_bfloat16*>(smem);  // [2][BN][pitch]
-  __nv_bfloat16* Xs = Ws + 2 * BN * kGemmPitch;                 // [2][BM][pitch]
-  int64_t* xrow = reinterpret_cast<int64_t*>(Xs + 2 * BM * kGemmPitch);  // X offset of tile row r, -1: none
+  uint8_t* raw = smem;                                                        // [S][BN][kRawRow]
+  __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(smem + Smem::kRaw);  // [S][BM][pitch]
+  __nv_bfloat16* Ws = Xs + S * BM * kGemmPitch;                              // [2][BN][pitch]
+  int64_t* xrow = reinterpret_cast<int64_t*>(Ws + 2 * BN * kGemmPitch);     // xh offset of tile row r, -1: none
   __shared__ int tile_e, tile_m0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -218,36 +243,59 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
   const int n0 = blockIdx.x * BN, N = a.W.rows, K = a.W.cols;
   for (int r = tid; r < BM; r += kGemmThreads) {
     const int p = base + m0 + r;
-    xrow[r] = m0 + r < count ? int64_t(a.in_rows ? a.in_rows[p] / a.in_div : p) * a.ldx : -1;
+    xrow[r] = m0 + r < count ? int64_t(a.in_rows ? a.in_rows[p] / a.in_div : p) * ldxh : -1;
   }
   __syncthreads();
 
-  // loaders: weight rows wr + 128·j, columns wc … wc + 31 of the k-tile; activation vectors tid + 256·j
-  const int wr = tid >> 1, wc = (tid & 1) * 32;
-  WeightChunk<F> wreg[kWChunks];
-  float4 xreg[kXVecs];
-  auto load = [&](int kt) {
-    const int c = kt * kGemmTileK + wc;
+  const int ktiles = (K + kGemmTileK - 1) / kGemmTileK;
+  const uint8_t* wbase = a.W.w + uint64_t(e) * a.W.w_expert;
+  // k-tile kt's raw weights and activations into stage kt % S (zeros past N, K and the group's rows); always
+  // one commit group, empty past the last tile, so that wait_group counts tiles
+  auto copy = [&](int kt) {
+    if (kt < ktiles) {
+      uint8_t* rs = raw + (kt % S) * BN * kRawRow;
 #pragma unroll
-    for (int j = 0; j < kWChunks; ++j)
-      if (n0 + wr + 128 * j < N && c < K) load_chunk<F>(a.W, e, n0 + wr + 128 * j, c, wreg[j]);
+      for (int j = 0; j < (kRawVecs + kGemmThreads - 1) / kGemmThreads; ++j) {
+        const int i = tid + kGemmThreads * j;
+        if (kRawVecs % kGemmThreads == 0 || i < kRawVecs) {
+          const int r = i / (kRawRow / 16), v = i % (kRawRow / 16);
+          const int col = kt * kGemmTileK + v * 16 * kGemmTileK / kRawRow;  // the vector's first column
+          const bool ok = n0 + r < N && col < K;
+          const uint8_t* src = ok ? wbase + uint64_t(n0 + r) * a.W.w_row + uint64_t(kt) * kRawRow + v * 16 : wbase;
+          cp_async16(rs + r * kRawRow + v * 16, src, ok ? 16 : 0);
+        }
+      }
+      __nv_bfloat16* xs = Xs + (kt % S) * BM * kGemmPitch;
 #pragma unroll
-    for (int j = 0; j < kXVecs; ++j) {
-      const int i = tid + kGemmThreads * j, r = i >> 4, col = kt * kGemmTileK + (i & 15) * 4;
-      const int64_t off = xrow[r];
-      xreg[j] = off >= 0 && col < K ? *reinterpret_cast<const float4*>(a.X + off + col) : make_float4(0, 0, 0, 0);
+      for (int j = 0; j < kXVecs / kGemmThreads; ++j) {
+        const int i = tid + kGemmThreads * j, r = i >> 3, col = kt * kGemmTileK + (i & 7) * 8;
+        const int64_t off = xrow[r];
+        const bool ok = off >= 0 && col < K;
+        cp_async16(xs + r * kGemmPitch + (i & 7) * 8, ok ? xh + off + col : xh, ok ? 16 : 0);
+      }
     }
+    cp_async_commit();
   };
-  auto store = [&](int kt, int buf) {
+  // dequantisers: weight rows wr + 128·j, columns wc … wc + 31 of the k-tile
+  const int wr = tid >> 1, wc = (tid & 1) * 32;
+  float scale[kWChunks] = {}, bias[kWChunks] = {};
+  auto load_scales = [&](int kt) {
 #pragma unroll
     for (int j = 0; j < kWChunks; ++j)
-      store_chunk<F>(wreg[j], n0 + wr + 128 * j < N && kt * kGemmTileK + wc < K,
-                     Ws + (buf * BN + wr + 128 * j) * kGemmPitch + wc);
+      if (kt < ktiles && n0 + wr + 128 * j < N && kt * kGemmTileK + wc < K)
+        load_scale<F>(a.W, e, n0 + wr + 128 * j, kt * kGemmTileK + wc, scale[j], bias[j]);
+  };
+  auto dequantise = [&](int kt) {  // stage kt % S → Ws[kt & 1]
+    const uint8_t* rs = raw + (kt % S) * BN * kRawRow;
 #pragma unroll
-    for (int j = 0; j < kXVecs; ++j) {
-      const int i = tid + kGemmThreads * j, r = i >> 4, col = (i & 15) * 4;
-      *reinterpret_cast<uint2*>(Xs + (buf * BM + r) * kGemmPitch + col) =
-          make_uint2(pack_bf16(xreg[j].x, xreg[j].y), pack_bf16(xreg[j].z, xreg[j].w));
+    for (int j = 0; j < kWChunks; ++j) {
+      const int r = wr + 128 * j;
+      WeightChunk<F> w;
+      const uint4* q = reinterpret_cast<const uint4*>(rs + r * kRawRow + (wc / 32) * (kRawRow / 2));
+#pragma unroll
+      for (int i = 0; i < WeightChunk<F>::kVecs; ++i) w.q[i] = q[i];
+      w.scale = scale[j], w.bias = bias[j];
+      store_chunk<F>(w, n0 + r < N && kt * kGemmTileK + wc < K, Ws + ((kt & 1) * BN + r) * kGemmPitch + wc);
     }
   };
 
@@ -263,9 +311,9 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
   // (the second n8 tile of a pair), k half (lane / 8) % 2
   const int a_row = wn * (BN / 4) + (lane & 15), a_col = (lane >> 4) * 8;
   const int b_row = wm * (BM / 2) + (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
-  auto mma_tile = [&](int buf) {
-    const __nv_bfloat16* Wb = Ws + buf * BN * kGemmPitch;
-    const __nv_bfloat16* Xb = Xs + buf * BM * kGemmPitch;
+  auto mma_tile = [&](int kt) {
+    const __nv_bfloat16* Wb = Ws + (kt & 1) * BN * kGemmPitch;
+    const __nv_bfloat16* Xb = Xs + (kt % S) * BM * kGemmPitch;
 #pragma unroll
     for (int kk = 0; kk < kGemmTileK; kk += 16) {
       uint32_t af[MT][4];
@@ -284,16 +332,24 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a) {
     }
   };
 
-  const int ktiles = (K + kGemmTileK - 1) / kGemmTileK;
-  load(0);
-  store(0, 0);
+  // Iteration kt: tile kt + 1 has landed (wait_group leaves the S - 3 later ones in flight) and the barrier
+  // shows every thread's copies; it also ends iteration kt - 1, so stage (kt - 1) % S (dequantised in kt - 2,
+  // multiplied in kt - 1) and Ws[(kt + 1) & 1] (multiplied in kt - 1) are free again.
+  for (int kt = 0; kt < S - 1; ++kt) copy(kt);
+  load_scales(0);
+  cp_async_wait<S - 2>();
   __syncthreads();
+  dequantise(0);
+  load_scales(1);
   for (int kt = 0; kt < ktiles; ++kt) {
-    const bool next = kt + 1 < ktiles;
-    if (next) load(kt + 1);
-    mma_tile(kt & 1);
-    if (next) store(kt + 1, (kt + 1) & 1);
+    cp_async_wait<S - 3>();
     __syncthreads();
+    copy(kt + S - 1);
+    if (kt + 1 < ktiles) {
+      dequantise(kt + 1);
+      load_scales(kt + 2);
+    }
+    mma_tile(kt);
   }
 
   const int g = lane >> 2, tig = lane & 3;
@@ -322,23 +378,35 @@ struct GemmTile {
 };
 constexpr GemmTile kGemmTiles[] = {{32, 128}, {64, 128}, {128, 128}, {64, 256}};
 
+// The activations' bf16 copy (the caller's, sized by gemm_x_bf16_elems).
+struct GemmScratch {
+  __nv_bfloat16* xh = nullptr;
+  size_t elems = 0;
+};
+// The rows of X a product reads (gathered: the tokens, M / in_div) and their bf16 row length.
+inline int gemm_x_rows(const GemmArgs& a) { return a.in_rows ? a.M / a.in_div : a.M; }
+inline int gemm_ldxh(int K) { return (K + 7) / 8 * 8; }
+inline size_t gemm_x_bf16_elems(int rows, int K) { return size_t(rows) * gemm_ldxh(K); }
+
 template <int F, int BN, int BM>
-void launch_gemm_mma(const GemmArgs& a, cudaStream_t stream) {
-  constexpr int bytes = gemm_smem_bytes<BN, BM>();
+void launch_gemm_mma(const GemmArgs& a, const __nv_bfloat16* xh, int ldxh, cudaStream_t stream) {
+  constexpr int bytes = GemmSmem<F, BN, BM>::kBytes;
   static const cudaError_t raised =
       cudaFuncSetAttribute(gemm_mma_kernel<F, BN, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   (void)raised;  // a failure shows as the launch's error
   // grouped: Σ_e ceil(counts[e] / BM) <= M / BM + groups tiles
   const int m_tiles = a.counts ? a.M / BM + a.groups : (a.M + BM - 1) / BM;
-  gemm_mma_kernel<F, BN, BM><<<dim3((a.W.rows + BN - 1) / BN, m_tiles), kGemmThreads, bytes, stream>>>(a);
+  gemm_mma_kernel<F, BN, BM><<<dim3((a.W.rows + BN - 1) / BN, m_tiles), kGemmThreads, bytes, stream>>>(a, xh, ldxh);
 }
 
 template <int F>
-void launch_gemm_format(const GemmArgs& a, GemmTile t, cudaStream_t stream) {
-  if (t.bn == 256) launch_gemm_mma<F, 256, 64>(a, stream);
-  else if (t.bm == 32) launch_gemm_mma<F, 128, 32>(a, stream);
-  else if (t.bm == 64) launch_gemm_mma<F, 128, 64>(a, stream);
-  else launch_gemm_mma<F, 128, 128>(a, stream);
+void launch_gemm_format(const GemmArgs& a, GemmTile t, const __nv_bfloat16* xh, int ldxh, cudaStream_t stream) {
+  if constexpr (WeightChunk<F>::kQuantised) {  // (dense weights' raw stages of 256 rows: too large)
+    if (t.bn == 256) return launch_gemm_mma<F, 256, 64>(a, xh, ldxh, stream);
+  }
+  if (t.bm == 32) launch_gemm_mma<F, 128, 32>(a, xh, ldxh, stream);
+  else if (t.bm == 64 || t.bn == 256) launch_gemm_mma<F, 128, 64>(a, xh, ldxh, stream);
+  else launch_gemm_mma<F, 128, 128>(a, xh, ldxh, stream);
 }
 
 // For a grouped product the token rows an expert has on average (past 32, the 256-wide weight tile: on the H200
@@ -348,8 +416,7 @@ void launch_gemm_format(const GemmArgs& a, GemmTile t, cudaStream_t stream) {
 inline GemmTile gemm_tile(const GemmArgs& a, int multiprocessors) {
   if (a.counts) {
     const int avg = a.M / (a.groups > 0 ? a.groups : 1);
-    if (avg > 64) return {128, 128};
-    return avg > 32 ? GemmTile{64, 256} : GemmTile{32, 128};
+    return avg > 32 ? GemmTile{128, 128} : GemmTile{32, 128};
   }
   const int64_t ntiles = (a.W.rows + 127) / 128;
   for (int bm : {128, 64})
@@ -357,23 +424,32 @@ inline GemmTile gemm_tile(const GemmArgs& a, int multiprocessors) {
   return {32, 128};
 }
 
-// The product with tile t (one of kGemmTiles).
-inline void gemm_tiled(const GemmArgs& a, GemmTile t, cudaStream_t stream) {
-  if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, t, stream);
-  else if (a.W.bits == 8) launch_gemm_format<kWQ8>(a, t, stream);
-  else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, t, stream);
-  else if (a.W.wdt == kF16) launch_gemm_format<kWF16>(a, t, stream);
-  else launch_gemm_format<kWF32>(a, t, stream);
+// The product with tile t (one of kGemmTiles): X's rows to bf16 into the scratch, then the GEMM.
+inline void gemm_tiled(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream_t stream) {
+  const int rows = gemm_x_rows(a), K = a.W.cols, ldxh = gemm_ldxh(K);
+  if (K % 32 || a.ldx % 4)
+    throw std::invalid_argument("[cuda] GEMM: " + std::to_string(K) + " columns, activations' stride " +
+                                std::to_string(a.ldx) + " (columns a multiple of 32, stride of 4)");
+  if (gemm_x_bf16_elems(rows, K) > x.elems)
+    throw std::logic_error("[cuda] GEMM: " + std::to_string(rows) + " rows of " + std::to_string(K) +
+                           " columns exceed the bf16 activations' scratch (" + std::to_string(x.elems) + ")");
+  const int64_t threads = int64_t(rows) * (K / 8);
+  if (threads) gemm_x_bf16_kernel<<<int((threads + 255) / 256), 256, 0, stream>>>(a.X, a.ldx, rows, K, x.xh, ldxh);
+  if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, t, x.xh, ldxh, stream);
+  else if (a.W.bits == 8) launch_gemm_format<kWQ8>(a, t, x.xh, ldxh, stream);
+  else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, t, x.xh, ldxh, stream);
+  else if (a.W.wdt == kF16) launch_gemm_format<kWF16>(a, t, x.xh, ldxh, stream);
+  else launch_gemm_format<kWF32>(a, t, x.xh, ldxh, stream);
 }
 
-inline void gemm(const GemmArgs& a, cudaStream_t stream) {
+inline void gemm(const GemmArgs& a, GemmScratch x, cudaStream_t stream) {
   static const int sms = [] {
     int dev = 0, n = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  gemm_tiled(a, gemm_tile(a, sms), stream);
+  gemm_tiled(a, gemm_tile(a, sms), x, stream);
 }
 
 }  // namespace lily::cuda
