@@ -118,11 +118,11 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const GemmTile picked = gemm_tile(a, sms);
-    std::printf("      gemm() takes %dx%d; tiles (rows x weight rows):", picked.bm, picked.bn);
+    std::printf("      gemm() takes %dx%d; tiles (rows x weight rows):", picked.bm, kGemmTileN);
     for (const GemmTile t : kGemmTiles)
-      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, t.bn, flop / time_ms([&] { gemm_tiled(a, t, xh, 0); }) * 1e-9);
+      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, kGemmTileN, flop / time_ms([&] { gemm_tiled(a, t, xh, 0); }) * 1e-9);
     std::printf("\n");
-  }
+  }  cudaFree(xh.xh);
 }
 
 void dense_case(int M, int N, int K, int bits, int wdt, int sdt, int group, bool accumulate, bool time) {

@@ -372,11 +372,14 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, cons
     }
 }
 
-// Token and weight tiles: BM rows of p × BN weight rows.
+// A block's tile: bm rows of p × kGemmTileN weight rows.
+constexpr int kGemmTileN = 128;
 struct GemmTile {
-  int bm = 32, bn = 128;
+  int bm = 32;
 };
-constexpr GemmTile kGemmTiles[] = {{32, 128}, {64, 128}, {128, 128}, {64, 256}};
+// (A 64 × 256 tile needs 124 KB of shared memory with the three stages: one block an SM, and the slowest on the
+// experts' products at 2,048 tokens on the H100, 81 / 67 TFLOP/s against 104 / 89 for 128 × 128.)
+constexpr GemmTile kGemmTiles[] = {{32}, {64}, {128}};
 
 // The activations' bf16 copy (the caller's, sized by gemm_x_bf16_elems).
 struct GemmScratch {
@@ -401,27 +404,24 @@ void launch_gemm_mma(const GemmArgs& a, const __nv_bfloat16* xh, int ldxh, cudaS
 
 template <int F>
 void launch_gemm_format(const GemmArgs& a, GemmTile t, const __nv_bfloat16* xh, int ldxh, cudaStream_t stream) {
-  if constexpr (WeightChunk<F>::kQuantised) {  // (dense weights' raw stages of 256 rows: too large)
-    if (t.bn == 256) return launch_gemm_mma<F, 256, 64>(a, xh, ldxh, stream);
-  }
-  if (t.bm == 32) launch_gemm_mma<F, 128, 32>(a, xh, ldxh, stream);
-  else if (t.bm == 64 || t.bn == 256) launch_gemm_mma<F, 128, 64>(a, xh, ldxh, stream);
-  else launch_gemm_mma<F, 128, 128>(a, xh, ldxh, stream);
+  if (t.bm == 32) launch_gemm_mma<F, kGemmTileN, 32>(a, xh, ldxh, stream);
+  else if (t.bm == 64) launch_gemm_mma<F, kGemmTileN, 64>(a, xh, ldxh, stream);
+  else launch_gemm_mma<F, kGemmTileN, 128>(a, xh, ldxh, stream);
 }
 
-// For a grouped product the token rows an expert has on average (past 32, the 256-wide weight tile: on the H200
-// it beat 64 × 128 at 16 and at 64 rows an expert); for a dense one the largest tile that M fills
+// For a grouped product the token rows an expert has on average (past 32, 128 × 128: at ~64 rows an expert on
+// the H100 it beat 64 × 128, 104 / 89 TFLOP/s against 98 / 85); for a dense one the largest tile that M fills
 // at least once and that still gives every multiprocessor a block (a few rows against a wide matrix, lm_head's,
 // take the smallest: the products of empty tile rows would cost more than the weights' bytes).
 inline GemmTile gemm_tile(const GemmArgs& a, int multiprocessors) {
   if (a.counts) {
     const int avg = a.M / (a.groups > 0 ? a.groups : 1);
-    return avg > 32 ? GemmTile{128, 128} : GemmTile{32, 128};
+    return {avg > 32 ? 128 : 32};
   }
-  const int64_t ntiles = (a.W.rows + 127) / 128;
+  const int64_t ntiles = (a.W.rows + kGemmTileN - 1) / kGemmTileN;
   for (int bm : {128, 64})
-    if (a.M >= bm && ntiles * ((a.M + bm - 1) / bm) >= multiprocessors) return {bm, 128};
-  return {32, 128};
+    if (a.M >= bm && ntiles * ((a.M + bm - 1) / bm) >= multiprocessors) return {bm};
+  return {32};
 }
 
 // The product with tile t (one of kGemmTiles): X's rows to bf16 into the scratch, then the GEMM.
