@@ -37,7 +37,8 @@ namespace {
 __device__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
 // One thread per output (p, n): the expert of p found by scanning the offsets. `rounded`: weights and
-// activations rounded to bf16 first (what the tensor cores multiply), else exact fp32.
+// activations rounded to bf16 first (what the tensor cores multiply), else exact fp32. A SwiGLU product
+// (a.up given): SiLU of the gate's dot times the up's, both in fp32.
 __global__ void ref_gemm_kernel(GemmArgs a, bool rounded) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= int64_t(a.M) * a.W.rows) return;
@@ -50,12 +51,18 @@ __global__ void ref_gemm_kernel(GemmArgs a, bool rounded) {
     if (e < 0) return;
   }
   const float* x = a.X + int64_t(a.in_rows ? a.in_rows[p] / a.in_div : p) * a.ldx;
-  float acc = 0.f;
+  float acc = 0.f, up = 0.f;
   for (int k = 0; k < a.W.cols; ++k) {
     float w = ref_weight(a.W, e, n, k), xv = x[k];
     if (rounded) w = round_bf16(w), xv = round_bf16(xv);
     acc = fmaf(w, xv, acc);
+    if (a.up.w) {
+      float u = ref_weight(a.up, e, n, k);
+      if (rounded) u = round_bf16(u);
+      up = fmaf(u, xv, up);
+    }
   }
+  if (a.up.w) acc = acc / (1.f + expf(-acc)) * up;
   float* y = a.Y + int64_t(p) * a.ldy + n;
   *y = a.accumulate ? *y + acc : acc;
 }
@@ -88,7 +95,8 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
   Err tight, loose;  // the worst over the tiles
   for (const GemmTile t : kGemmTiles) {
     CK(cudaMemcpy(a.Y, y0.data(), ny * 4, cudaMemcpyHostToDevice));
-    gemm_tiled(a, t, xh, 0);
+    gemm_x_bf16(a, xh, 0);
+    gemm_launch(a, t, xh, 0);
     CK(cudaGetLastError());
     const auto got = download(a.Y, ny);
     const Err et = compare(got, ref_rounded), el = compare(got, ref_exact);
@@ -96,7 +104,7 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
     loose = {std::max(loose.max_rel, el.max_rel), std::max(loose.mean_rel, el.mean_rel)};
   }
   float ms_new = 0, ms_old = 0;
-  const double flop = 2.0 * a.M * a.W.rows * a.W.cols;
+  const double flop = (a.up.w ? 4.0 : 2.0) * a.M * a.W.rows * a.W.cols;
   if (time && !a.accumulate) {
     ms_new = time_ms([&] { gemm(a, xh, 0); });
 #ifdef LILY_OLD_KERNELS
@@ -111,7 +119,7 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
   (void)old_m_tiles;
   char shape[96];
   std::snprintf(shape, sizeof shape, "%s %s M=%d N=%d K=%d%s", what, format_name(a.W.bits, a.W.wdt, a.W.sdt), a.M,
-                a.W.rows, a.W.cols, a.accumulate ? " +=" : "");
+                a.W.rows, a.W.cols, a.accumulate ? " +=" : a.up.w ? " swiglu" : "");
   report("gemm", shape, tight, 2e-3, 2e-4, flop, ms_new, ms_old);
   report("", "  (vs exact fp32)", loose, 1.5e-2, 4e-3, 0, 0, 0);
   if (ms_new > 0) {
@@ -120,29 +128,37 @@ void check_gemm(const char* what, GemmArgs a, int rows_out, const std::vector<fl
     const GemmTile picked = gemm_tile(a, sms);
     std::printf("      gemm() takes %dx%d; tiles (rows x weight rows):", picked.bm, kGemmTileN);
     for (const GemmTile t : kGemmTiles)
-      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, kGemmTileN, flop / time_ms([&] { gemm_tiled(a, t, xh, 0); }) * 1e-9);
+      std::printf("  %dx%d: %.1f TFLOP/s", t.bm, kGemmTileN, flop / time_ms([&] {
+                                                                     gemm_x_bf16(a, xh, 0);
+                                                                     gemm_launch(a, t, xh, 0);
+                                                                   }) * 1e-9);
     std::printf("\n");
   }  cudaFree(xh.xh);
 }
 
-void dense_case(int M, int N, int K, int bits, int wdt, int sdt, int group, bool accumulate, bool time) {
-  Weights w;
+// `swiglu`: a gate/up pair of such matrices as one SwiGLU product.
+void dense_case(int M, int N, int K, int bits, int wdt, int sdt, int group, bool accumulate, bool time,
+                bool swiglu = false) {
+  Weights w, u;
   make_weights(w, 1, N, K, bits, wdt, sdt, group);
+  if (swiglu) make_weights(u, 1, N, K, bits, wdt, sdt, group);
   const int ldx = K + 32, ldy = N + 8;  // strided rows, as the backend's activations can be
   float* X = upload(random_floats(size_t(M) * ldx, -2.f, 2.f));
   const auto y0 = random_floats(size_t(M) * ldy, -1.f, 1.f);
   float* Y = upload(y0);
   GemmArgs a{w.W, X, ldx, Y, ldy, M, nullptr, nullptr, nullptr, 1, accumulate, 1};
+  if (swiglu) a.up = u.W;
   check_gemm("dense", a, M, y0, time, (M + 63) / 64);
   cudaFree(X);
   cudaFree(Y);
 }
 
 // T tokens routed to top_k of E experts (random, some experts empty, one crowded), gate/up-style (rows of X
-// gathered per slot) or down-style (X already in slot order).
-void grouped_case(int T, int E, int top_k, int N, int K, bool gather, bool time) {
-  Weights w;
+// gathered per slot) or down-style (X already in slot order); `swiglu`: gate and up as one SwiGLU product.
+void grouped_case(int T, int E, int top_k, int N, int K, bool gather, bool time, bool swiglu = false) {
+  Weights w, u;
   make_weights(w, E, N, K, 4, kBF16, kBF16, 64);
+  if (swiglu) make_weights(u, E, N, K, 4, kBF16, kBF16, 64);
   const int slots = T * top_k;
   std::vector<int> expert_of(slots);
   std::uniform_int_distribution<int> pick(0, E - 1);
@@ -164,6 +180,7 @@ void grouped_case(int T, int E, int top_k, int N, int K, bool gather, bool time)
   int* doff = upload(offsets);
   int* dperm = upload(perm);
   GemmArgs a{w.W, X, ldx, Y, ldy, slots, dc, doff, gather ? dperm : nullptr, gather ? top_k : 1, false, E};
+  if (swiglu) a.up = u.W;
   char what[48];
   std::snprintf(what, sizeof what, "grouped T=%d E=%d top%d max%d", T, E, top_k,
                 *std::max_element(counts.begin(), counts.end()));
@@ -341,6 +358,7 @@ void model_shapes() {
     dense_case(M, 8192, 2048, 4, kBF16, kBF16, 64, false, M >= 513);   // attention q (with gate)
     dense_case(M, 2048, 4096, 4, kBF16, kBF16, 64, false, M >= 513);   // o / out projection
     dense_case(M, 512, 2048, 4, kBF16, kBF16, 64, false, M >= 513);    // shared expert gate / up
+    dense_case(M, 512, 2048, 4, kBF16, kBF16, 64, false, M >= 513, true);  // … as one SwiGLU product
   }
   dense_case(512, 256, 2048, 8, kBF16, kBF16, 64, false, true);  // router (8-bit)
   dense_case(7, 248320, 2048, 4, kBF16, kBF16, 64, false, true);  // lm_head
@@ -349,6 +367,7 @@ void model_shapes() {
   // the experts: gate/up (gathered rows) and down, chunks of 512 and 2048 rows
   for (int T : {1, 65, 512, 2048}) {
     grouped_case(T, 256, 8, 512, 2048, true, T >= 512);
+    grouped_case(T, 256, 8, 512, 2048, true, T >= 512, true);
     grouped_case(T, 256, 8, 2048, 512, false, T >= 512);
   }
 
@@ -376,10 +395,14 @@ int main(int argc, char** argv) {
   for (const Format f : {Format{4, kBF16, kBF16, 64}, Format{4, kBF16, kF32, 32}, Format{4, kBF16, kF16, 64},
                          Format{8, kBF16, kBF16, 64}, Format{8, kBF16, kF32, 32}, Format{0, kBF16, kBF16, 0},
                          Format{0, kF16, kBF16, 0}, Format{0, kF32, kBF16, 0}})
-    for (int M : {1, 7, 65, 513}) dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false);
+    for (int M : {1, 7, 65, 513}) {
+      dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false);
+      dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false, true);
+    }
   dense_case(63, 328, 160, 4, kBF16, kBF16, 32, true, false);
   dense_case(130, 256, 2048, 8, kBF16, kBF16, 64, true, false);
   grouped_case(40, 16, 4, 64, 128, true, false);  // the tiny model's experts
+  grouped_case(40, 16, 4, 64, 128, true, false, true);
   grouped_case(40, 16, 4, 128, 64, false, false);
   attention_case<64>(40, 3, 4, 2, false);  // the tiny models' geometries (incl. a group of 3)
   attention_case<128>(100, 17, 8, 2, false);

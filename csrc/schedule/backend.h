@@ -52,8 +52,9 @@ struct Fusions {
   // The GDN step (conv + SiLU, q/k l2-norm, gates, delta rule, gated norm) as one kernel (gdn_step). Off: the
   // scan of one row (gdn_scan: conv, scan and gated norm kernels, intermediates through memory).
   bool gdn_step = true;
-  // Inside moe_decode: the experts' gate/up GEMV applies SwiGLU before storing h. Off: gate and up rows go to
-  // scratch and a separate pass makes h.
+  // Inside moe_decode: the experts' gate/up GEMV applies SwiGLU before storing h (and on CUDA inside
+  // moe_prefill: gate and up as one GEMM that stores h). Off: gate and up rows go to scratch and a separate
+  // pass makes h.
   bool expert_swiglu = true;
   // Inside moe_decode: the experts' down GEMV applies the routing weights and the shared expert's sigmoid gate
   // and adds into x. Off: each product goes to scratch and a separate pass weights and adds them.

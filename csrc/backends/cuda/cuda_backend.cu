@@ -108,6 +108,7 @@ class CudaBackend final : public gpu::GpuBackend {
     hbuf_ = scratch<float>(size_t(TK) * imax_, "moe.h");
     ybuf_ = scratch<float>(size_t(TK) * H, "moe.y");
     sy_ = scratch<float>(size_t(max_rows) * H, "moe.shared_y");
+    sh_ = scratch<float>(size_t(max_rows) * c_.shared_inter, "moe.shared_h");
     // a GEMM's activations as bf16: a chunk's rows of the widest input, or the experts' down over every slot
     const int widest = std::max({H, c_.n_q * c_.head_dim, c_.lin_nv * c_.lin_dv, imax_});
     xh_.elems = std::max(gemm_x_bf16_elems(max_rows, widest), gemm_x_bf16_elems(TK, imax_));
@@ -342,8 +343,16 @@ class CudaBackend final : public gpu::GpuBackend {
     check_rows(T, "moe_route");
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
-    matmul(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts, false);
-    matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false);
+    if (T == 1) {
+      matmul(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts, false);
+      matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false);
+      return;
+    }
+    const GemmArgs router = dense_args(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts);
+    gemm(router, xh_, stream_);
+    gemm(dense_args(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1), xh_, stream_,
+         GemmInput::converted);
+    launched(3);
   }
 
   // Nothing is launched here: moe_decode's experts kernel computes the norm and the logits itself, a kernel
@@ -362,14 +371,26 @@ class CudaBackend final : public gpu::GpuBackend {
     moe_group_kernel<<<1, 1024, 2 * E * sizeof(int), stream_>>>(route_ids_, TK, E, counts_, offsets_, perm_, inv_);
     launched(2);
     const float* xn = act(Act::xn);
-    grouped(M.gate, xn, H, T, perm_, K, g_, I);
-    grouped(M.up, xn, H, T, perm_, K, u_, I);
-    swiglu(g_, u_, hbuf_, int64_t(TK) * I);
-    grouped(M.down, hbuf_, I, T, nullptr, 1, ybuf_, H);
-    matmul(M.shared_gate_proj, xn, H, T, g_, Is, false);
-    matmul(M.shared_up, xn, H, T, u_, Is, false);
-    swiglu(g_, u_, hbuf_, int64_t(T) * Is);
-    matmul(M.shared_down, hbuf_, Is, T, sy_, H, false);
+    if (fusions().expert_swiglu) {  // both gate/up products from one bf16 copy of the normed rows, SwiGLU inside
+      GemmArgs routed = grouped_args(M.gate, xn, H, T, perm_, K, hbuf_, I);
+      routed.up = lin(M.up);
+      GemmArgs shared = dense_args(M.shared_gate_proj, xn, H, T, sh_, Is);
+      shared.up = lin(M.shared_up);
+      gemm(routed, xh_, stream_);
+      gemm(shared, xh_, stream_, GemmInput::converted);
+      launched(3);
+      grouped(M.down, hbuf_, I, T, nullptr, 1, ybuf_, H);
+      matmul(M.shared_down, sh_, Is, T, sy_, H, false);
+    } else {
+      grouped(M.gate, xn, H, T, perm_, K, g_, I);
+      grouped(M.up, xn, H, T, perm_, K, u_, I);
+      swiglu(g_, u_, hbuf_, int64_t(TK) * I);
+      grouped(M.down, hbuf_, I, T, nullptr, 1, ybuf_, H);
+      matmul(M.shared_gate_proj, xn, H, T, g_, Is, false);
+      matmul(M.shared_up, xn, H, T, u_, Is, false);
+      swiglu(g_, u_, hbuf_, int64_t(T) * Is);
+      matmul(M.shared_down, hbuf_, Is, T, sy_, H, false);
+    }
     moe_combine_kernel<<<T, 256, 0, stream_>>>(act(Act::x), ybuf_, sy_, shared_logit_, route_w_, inv_, K, H);
     launched();
   }
@@ -620,15 +641,23 @@ class CudaBackend final : public gpu::GpuBackend {
       gemv(jobs, X, nullptr, nullptr);
       return;
     }
-    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, accumulate, 1}, xh_, stream_);
+    GemmArgs a = dense_args(W, X, ldx, T, Y, ldy);
+    a.accumulate = accumulate;
+    gemm(a, xh_, stream_);
     launched(2);
+  }
+  GemmArgs dense_args(const Linear& W, const float* X, int ldx, int T, float* Y, int ldy) {
+    return {lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, false, 1};
   }
 
   // The experts' GEMM over the grouped assignment slots (rows of X gathered through `rows` / `div`).
   void grouped(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y, int ldy) {
-    gemm(GemmArgs{lin(W), X, ldx, Y, ldy, T * c_.top_k, counts_, offsets_, rows, div, false, c_.experts}, xh_,
-         stream_);
+    gemm(grouped_args(W, X, ldx, T, rows, div, Y, ldy), xh_, stream_);
     launched(2);
+  }
+  GemmArgs grouped_args(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y,
+                        int ldy) {
+    return {lin(W), X, ldx, Y, ldy, T * c_.top_k, counts_, offsets_, rows, div, false, c_.experts};
   }
 
   // The decode path's kernels go out with programmatic dependent launch (the kernels' start_next_kernel /
@@ -690,7 +719,7 @@ class CudaBackend final : public gpu::GpuBackend {
   int32_t* route_ids_ = nullptr;
   float* route_w_ = nullptr;
   int *counts_ = nullptr, *offsets_ = nullptr, *perm_ = nullptr, *inv_ = nullptr;
-  float *g_ = nullptr, *u_ = nullptr, *hbuf_ = nullptr, *ybuf_ = nullptr, *sy_ = nullptr;
+  float *g_ = nullptr, *u_ = nullptr, *hbuf_ = nullptr, *ybuf_ = nullptr, *sy_ = nullptr, *sh_ = nullptr;
   GemmScratch xh_;  // the GEMMs' bf16 activations
   ArgmaxSlot* argmax_slot_ = nullptr;
   // A device's last decode graph, shared by every CudaBackend of the process on it (launch_decode_graph).

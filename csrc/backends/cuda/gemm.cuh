@@ -89,14 +89,16 @@ struct WeightChunk {
   float scale, bias;
 };
 
-// The scale and bias of columns [c, c + 32) of row n of expert e (quantised formats).
+// The scale and bias of columns [c, c + 32) of row n of expert e (quantised formats), from the scales s and
+// biases b of a matrix laid out as W.
 template <int F>
-__device__ __forceinline__ void load_scale(const LinDev& W, int e, int n, int c, float& scale, float& bias) {
+__device__ __forceinline__ void load_scale(const LinDev& W, const uint8_t* s, const uint8_t* b, int e, int n, int c,
+                                           float& scale, float& bias) {
   if constexpr (WeightChunk<F>::kQuantised) {
     const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(n) * W.s_row;
     const int g = group_of(W, c);
-    scale = load_param(W.s + s_off, W.sdt, g);
-    bias = load_param(W.b + s_off, W.sdt, g);
+    scale = load_param(s + s_off, W.sdt, g);
+    bias = load_param(b + s_off, W.sdt, g);
   }
 }
 
@@ -141,6 +143,11 @@ __device__ __forceinline__ void store_chunk(const WeightChunk<F>& w, bool valid,
 // Groups (MoE experts) are segments [offsets[e], offsets[e] + counts[e]) of p; X rows are gathered through
 // in_rows[p] / in_div when in_rows is given (the MoE's token of an assignment slot). M: the rows of a dense
 // product, or all groups' rows together (the grid's bound) when counts is given.
+//
+// With `up` given (its w not null), the product is an MLP's first half: Y[p, n] = SiLU(W·x)[n] · (up·x)[n], W
+// the gate and up its twin (the same format, shape and strides). A block's weight rows then alternate between
+// the two eight at a time, so that the thread holding a gate output holds its up output too (gemm_tile_row):
+// the gate and up products never reach memory, and the activations are read once for both.
 struct GemmArgs {
   LinDev W;
   const float* X;
@@ -154,7 +161,19 @@ struct GemmArgs {
   int in_div;
   bool accumulate;
   int groups;
+  LinDev up = {};
 };
+
+// Row r of a block's weight tile whose first row is n0 (n0 counts the rows of both halves for a SwiGLU product):
+// its row of W, and whether it is up's row instead (rows 8..15 of every 16).
+struct GemmTileRow {
+  int n;
+  bool up;
+};
+__device__ __forceinline__ GemmTileRow gemm_tile_row(bool swiglu, int n0, int r) {
+  if (!swiglu) return {n0 + r, false};
+  return {(n0 >> 1) + ((r >> 4) << 3) + (r & 7), ((r >> 3) & 1) != 0};
+}
 
 // Three stages: a tile's copies in flight while the next is dequantised and this one multiplied. Four would
 // not fit dense f32 weights' raw stages beside the rest at 128 × 128.
@@ -209,15 +228,17 @@ __global__ void gemm_x_bf16_kernel(const float* X, int ldx, int rows, int K, __n
       make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
 }
 
-// One block: weight rows [n0, n0 + BN) × BM rows of p. Eight warps, 4 along the weight rows (BN / 4 each:
-// BN / 64 m16 tiles) × 2 along the tokens (BM / 2 each: BM / 16 n8 tiles).
+// One block: weight rows [n0, n0 + BN) (a SwiGLU product's: gemm_tile_row's) × BM rows of p. Eight warps, 4
+// along the weight rows (BN / 4 each: BN / 64 m16 tiles) × 2 along the tokens (BM / 2 each: BM / 16 n8 tiles).
+// Two blocks an SM (three at 32 rows): the launch bounds keep the 128-row tile at 128 registers.
 //
 // Pipelining: the weights' raw bytes and the bf16 activations of k-tile kt + 2 are copied (cp.async) while
 // tile kt + 1's weights are dequantised into one bf16 buffer and tile kt's products run from the other; their
 // scales are loaded into registers a tile ahead. One barrier per k-tile. (Two stages through registers, the
 // activations loaded as fp32 and converted by every block, ran the model's GEMMs at 88–155 TFLOP/s on the H200.)
 template <int F, int BN, int BM>
-__global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, const __nv_bfloat16* xh, int ldxh) {
+__global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
+    gemm_mma_kernel(GemmArgs a, const __nv_bfloat16* xh, int ldxh) {
   static_assert(BM % 32 == 0, "a warp's tokens come in pairs of n8 tiles");
   static_assert(BN % 128 == 0, "each thread dequantises whole 32-column chunks");
   using Smem = GemmSmem<F, BN, BM>;
@@ -241,6 +262,7 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, cons
     m0 = tile_m0, base = a.offsets[e], count = a.counts[e];
   }
   const int n0 = blockIdx.x * BN, N = a.W.rows, K = a.W.cols;
+  const bool swiglu = a.up.w != nullptr;
   for (int r = tid; r < BM; r += kGemmThreads) {
     const int p = base + m0 + r;
     xrow[r] = m0 + r < count ? int64_t(a.in_rows ? a.in_rows[p] / a.in_div : p) * ldxh : -1;
@@ -248,7 +270,7 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, cons
   __syncthreads();
 
   const int ktiles = (K + kGemmTileK - 1) / kGemmTileK;
-  const uint8_t* wbase = a.W.w + uint64_t(e) * a.W.w_expert;
+  const uint64_t wexpert = uint64_t(e) * a.W.w_expert;
   // k-tile kt's raw weights and activations into stage kt % S (zeros past N, K and the group's rows); always
   // one commit group, empty past the last tile, so that wait_group counts tiles
   auto copy = [&](int kt) {
@@ -260,8 +282,10 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, cons
         if (kRawVecs % kGemmThreads == 0 || i < kRawVecs) {
           const int r = i / (kRawRow / 16), v = i % (kRawRow / 16);
           const int col = kt * kGemmTileK + v * 16 * kGemmTileK / kRawRow;  // the vector's first column
-          const bool ok = n0 + r < N && col < K;
-          const uint8_t* src = ok ? wbase + uint64_t(n0 + r) * a.W.w_row + uint64_t(kt) * kRawRow + v * 16 : wbase;
+          const GemmTileRow row = gemm_tile_row(swiglu, n0, r);
+          const bool ok = row.n < N && col < K;
+          const uint64_t off = ok ? wexpert + uint64_t(row.n) * a.W.w_row + uint64_t(kt) * kRawRow + v * 16 : 0;
+          const uint8_t* src = (row.up ? a.up.w : a.W.w) + off;
           cp_async16(rs + r * kRawRow + v * 16, src, ok ? 16 : 0);
         }
       }
@@ -281,9 +305,12 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, cons
   float scale[kWChunks] = {}, bias[kWChunks] = {};
   auto load_scales = [&](int kt) {
 #pragma unroll
-    for (int j = 0; j < kWChunks; ++j)
-      if (kt < ktiles && n0 + wr + 128 * j < N && kt * kGemmTileK + wc < K)
-        load_scale<F>(a.W, e, n0 + wr + 128 * j, kt * kGemmTileK + wc, scale[j], bias[j]);
+    for (int j = 0; j < kWChunks; ++j) {
+      const GemmTileRow row = gemm_tile_row(swiglu, n0, wr + 128 * j);
+      if (kt < ktiles && row.n < N && kt * kGemmTileK + wc < K)
+        load_scale<F>(a.W, row.up ? a.up.s : a.W.s, row.up ? a.up.b : a.W.b, e, row.n, kt * kGemmTileK + wc,
+                      scale[j], bias[j]);
+    }
   };
   auto dequantise = [&](int kt) {  // stage kt % S → Ws[kt & 1]
     const uint8_t* rs = raw + (kt % S) * BN * kRawRow;
@@ -295,7 +322,8 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, cons
 #pragma unroll
       for (int i = 0; i < WeightChunk<F>::kVecs; ++i) w.q[i] = q[i];
       w.scale = scale[j], w.bias = bias[j];
-      store_chunk<F>(w, n0 + r < N && kt * kGemmTileK + wc < K, Ws + ((kt & 1) * BN + r) * kGemmPitch + wc);
+      store_chunk<F>(w, gemm_tile_row(swiglu, n0, r).n < N && kt * kGemmTileK + wc < K,
+                     Ws + ((kt & 1) * BN + r) * kGemmPitch + wc);
     }
   };
 
@@ -353,6 +381,21 @@ __global__ void __launch_bounds__(kGemmThreads) gemm_mma_kernel(GemmArgs a, cons
   }
 
   const int g = lane >> 2, tig = lane & 3;
+  if (swiglu) {  // rows g and g + 8 of each m16 tile are the gate and up rows of one output
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int n = gemm_tile_row(true, n0, wn * (BN / 4) + mt * 16 + g).n;
+      if (n >= N) continue;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int m = m0 + wm * (BM / 2) + nt * 8 + 2 * tig + q;
+          if (m < count) a.Y[int64_t(base + m) * a.ldy + n] = siluf_(acc[mt][nt][q]) * acc[mt][nt][2 + q];
+        }
+    }
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -379,7 +422,7 @@ struct GemmTile {
 };
 // (A 64 × 256 tile needs 124 KB of shared memory with the three stages: one block an SM, and the slowest on the
 // experts' products at 2,048 tokens on the H100, 81 / 67 TFLOP/s against 104 / 89 for 128 × 128.)
-constexpr GemmTile kGemmTiles[] = {{32}, {64}, {128}};
+constexpr GemmTile kGemmTiles[] = {{32}, {64}, {96}, {128}};
 
 // The activations' bf16 copy (the caller's, sized by gemm_x_bf16_elems).
 struct GemmScratch {
@@ -389,6 +432,8 @@ struct GemmScratch {
 // The rows of X a product reads (gathered: the tokens, M / in_div) and their bf16 row length.
 inline int gemm_x_rows(const GemmArgs& a) { return a.in_rows ? a.M / a.in_div : a.M; }
 inline int gemm_ldxh(int K) { return (K + 7) / 8 * 8; }
+// The weight rows the blocks cover: a SwiGLU product's gate and up rows both.
+inline int gemm_tile_rows(const GemmArgs& a) { return a.up.w ? 2 * a.W.rows : a.W.rows; }
 inline size_t gemm_x_bf16_elems(int rows, int K) { return size_t(rows) * gemm_ldxh(K); }
 
 template <int F, int BN, int BM>
@@ -399,34 +444,42 @@ void launch_gemm_mma(const GemmArgs& a, const __nv_bfloat16* xh, int ldxh, cudaS
   (void)raised;  // a failure shows as the launch's error
   // grouped: Σ_e ceil(counts[e] / BM) <= M / BM + groups tiles
   const int m_tiles = a.counts ? a.M / BM + a.groups : (a.M + BM - 1) / BM;
-  gemm_mma_kernel<F, BN, BM><<<dim3((a.W.rows + BN - 1) / BN, m_tiles), kGemmThreads, bytes, stream>>>(a, xh, ldxh);
+  const dim3 grid((gemm_tile_rows(a) + BN - 1) / BN, m_tiles);
+  gemm_mma_kernel<F, BN, BM><<<grid, kGemmThreads, bytes, stream>>>(a, xh, ldxh);
 }
 
 template <int F>
 void launch_gemm_format(const GemmArgs& a, GemmTile t, const __nv_bfloat16* xh, int ldxh, cudaStream_t stream) {
   if (t.bm == 32) launch_gemm_mma<F, kGemmTileN, 32>(a, xh, ldxh, stream);
   else if (t.bm == 64) launch_gemm_mma<F, kGemmTileN, 64>(a, xh, ldxh, stream);
+  else if (t.bm == 96) launch_gemm_mma<F, kGemmTileN, 96>(a, xh, ldxh, stream);
   else launch_gemm_mma<F, kGemmTileN, 128>(a, xh, ldxh, stream);
 }
 
-// For a grouped product the token rows an expert has on average (past 32, 128 × 128: at ~64 rows an expert on
-// the H100 it beat 64 × 128, 104 / 89 TFLOP/s against 98 / 85); for a dense one the largest tile that M fills
-// at least once and that still gives every multiprocessor a block (a few rows against a wide matrix, lm_head's,
-// take the smallest: the products of empty tile rows would cost more than the weights' bytes).
+// The tile with the least work on the busiest multiprocessor, a tile costing its rows plus ~32 rows' worth for
+// dequantising its weights (the larger tile on a tie). A dense product's blocks spread over the multiprocessors;
+// a grouped product's tiles are counted for an expert of a little more than the average rows (the experts'
+// counts spread around it). This picked the fastest of the four tiles for each of the model's products at 513
+// and 2,048 rows on the H100 (benchmarks/cuda/prefill_kernels.cu): e.g. the attention q projection at 513 rows
+// takes 96 × 128 (146 TFLOP/s, 106 for 128 × 128: its fifth 128-row tile holds one row), the experts at 2,048
+// tokens (~64 rows an expert) 96 × 128 (118 against 104), a few rows against lm_head 32 × 128.
 inline GemmTile gemm_tile(const GemmArgs& a, int multiprocessors) {
-  if (a.counts) {
-    const int avg = a.M / (a.groups > 0 ? a.groups : 1);
-    return {avg > 32 ? 128 : 32};
+  const int64_t ntiles = (gemm_tile_rows(a) + kGemmTileN - 1) / kGemmTileN;
+  const int64_t avg = a.counts ? a.M / (a.groups > 0 ? a.groups : 1) : 0;
+  GemmTile best{32};
+  int64_t best_cost = INT64_MAX;
+  for (int bm : {128, 96, 64, 32}) {
+    const int64_t tiles = a.counts ? (std::max<int64_t>(avg + avg / 4, 1) + bm - 1) / bm
+                                   : (ntiles * ((a.M + bm - 1) / bm) + multiprocessors - 1) / multiprocessors;
+    const int64_t cost = tiles * (bm + 32);
+    if (cost < best_cost) best = {bm}, best_cost = cost;
   }
-  const int64_t ntiles = (a.W.rows + kGemmTileN - 1) / kGemmTileN;
-  for (int bm : {128, 64})
-    if (a.M >= bm && ntiles * ((a.M + bm - 1) / bm) >= multiprocessors) return {bm};
-  return {32};
+  return best;
 }
 
-// The product with tile t (one of kGemmTiles): X's rows to bf16 into the scratch, then the GEMM.
-inline void gemm_tiled(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream_t stream) {
-  const int rows = gemm_x_rows(a), K = a.W.cols, ldxh = gemm_ldxh(K);
+// X's rows as bf16 into the scratch, for every product that reads them (gemm_launch).
+inline void gemm_x_bf16(const GemmArgs& a, GemmScratch x, cudaStream_t stream) {
+  const int rows = gemm_x_rows(a), K = a.W.cols;
   if (K % 32 || a.ldx % 4)
     throw std::invalid_argument("[cuda] GEMM: " + std::to_string(K) + " columns, activations' stride " +
                                 std::to_string(a.ldx) + " (columns a multiple of 32, stride of 4)");
@@ -434,7 +487,22 @@ inline void gemm_tiled(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream_
     throw std::logic_error("[cuda] GEMM: " + std::to_string(rows) + " rows of " + std::to_string(K) +
                            " columns exceed the bf16 activations' scratch (" + std::to_string(x.elems) + ")");
   const int64_t threads = int64_t(rows) * (K / 8);
-  if (threads) gemm_x_bf16_kernel<<<int((threads + 255) / 256), 256, 0, stream>>>(a.X, a.ldx, rows, K, x.xh, ldxh);
+  if (threads)
+    gemm_x_bf16_kernel<<<int((threads + 255) / 256), 256, 0, stream>>>(a.X, a.ldx, rows, K, x.xh, gemm_ldxh(K));
+}
+
+// The product with tile t (one of kGemmTiles) from X's rows as gemm_x_bf16 left them in the scratch.
+inline void gemm_launch(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream_t stream) {
+  const int ldxh = gemm_ldxh(a.W.cols);
+  if (a.up.w && (a.accumulate || a.up.bits != a.W.bits || a.up.wdt != a.W.wdt || a.up.sdt != a.W.sdt ||
+                 a.up.group != a.W.group || a.up.rows != a.W.rows || a.up.cols != a.W.cols ||
+                 a.up.w_row != a.W.w_row || a.up.w_expert != a.W.w_expert || a.up.s_row != a.W.s_row ||
+                 a.up.s_expert != a.W.s_expert))
+    throw std::invalid_argument("[cuda] GEMM: a SwiGLU product's gate and up differ in format or shape (" +
+                                std::to_string(a.W.rows) + " x " + std::to_string(a.W.cols) + ", " +
+                                std::to_string(a.W.bits) + " bits against " + std::to_string(a.up.rows) + " x " +
+                                std::to_string(a.up.cols) + ", " + std::to_string(a.up.bits) +
+                                " bits), or accumulates");
   if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, t, x.xh, ldxh, stream);
   else if (a.W.bits == 8) launch_gemm_format<kWQ8>(a, t, x.xh, ldxh, stream);
   else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, t, x.xh, ldxh, stream);
@@ -442,14 +510,24 @@ inline void gemm_tiled(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream_
   else launch_gemm_format<kWF32>(a, t, x.xh, ldxh, stream);
 }
 
-inline void gemm(const GemmArgs& a, GemmScratch x, cudaStream_t stream) {
+inline int gemm_multiprocessors() {
   static const int sms = [] {
     int dev = 0, n = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 132;
   }();
-  gemm_tiled(a, gemm_tile(a, sms), x, stream);
+  return sms;
+}
+
+// Whether the product's activations are still to be converted, or are in the scratch already (a product
+// after the first of several over the same X: the MoE's over the normed rows).
+enum class GemmInput { convert, converted };
+
+// The product with gemm_tile's tile.
+inline void gemm(const GemmArgs& a, GemmScratch x, cudaStream_t stream, GemmInput in = GemmInput::convert) {
+  if (in == GemmInput::convert) gemm_x_bf16(a, x, stream);
+  gemm_launch(a, gemm_tile(a, gemm_multiprocessors()), x, stream);
 }
 
 }  // namespace lily::cuda
