@@ -380,27 +380,13 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
     mma_tile(kt);
   }
 
+  // Rows g and g + 8 of each m16 tile are two outputs, or a SwiGLU output's gate and up (gemm_tile_row).
   const int g = lane >> 2, tig = lane & 3;
-  if (swiglu) {  // rows g and g + 8 of each m16 tile are the gate and up rows of one output
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int n = gemm_tile_row(true, n0, wn * (BN / 4) + mt * 16 + g).n;
-      if (n >= N) continue;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int m = m0 + wm * (BM / 2) + nt * 8 + 2 * tig + q;
-          if (m < count) a.Y[int64_t(base + m) * a.ldy + n] = siluf_(acc[mt][nt][q]) * acc[mt][nt][2 + q];
-        }
-    }
-    return;
-  }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = n0 + wn * (BN / 4) + mt * 16 + g + 8 * h;
+    for (int h = 0; h < (swiglu ? 1 : 2); ++h) {
+      const int n = gemm_tile_row(swiglu, n0, wn * (BN / 4) + mt * 16 + g + 8 * h).n;
       if (n >= N) continue;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -409,7 +395,7 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
           const int m = m0 + wm * (BM / 2) + nt * 8 + 2 * tig + q;
           if (m >= count) continue;
           float* y = a.Y + int64_t(base + m) * a.ldy + n;
-          const float v = acc[mt][nt][2 * h + q];
+          const float v = swiglu ? siluf_(acc[mt][nt][q]) * acc[mt][nt][2 + q] : acc[mt][nt][2 * h + q];
           *y = a.accumulate ? *y + v : v;
         }
     }
