@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One call on a fresh machine: this change (A) against HEAD (B: a copy with exp/old.patch (git diff b6240f9 0941213 -- csrc benchmarks/cuda) applied), both built;
-# the prefill harness of A (every check, the GEMM lines shown); prefill 512 / 4K end to end in alternating
-# processes B, A, A with expert_swiglu off, A, B; then the CUDA tests on A.
+# One call on a fresh machine: this change (A) against 0941213 (B: a copy of the tree with exp/old.patch
+# applied, made beforehand by `git diff HEAD 0941213 -- csrc benchmarks/cuda`), both built; the CUDA tests on A
+# while the synthetic checkpoint is written; prefill 512 / 4K in alternating processes B, A, A with expert_swiglu
+# off; the prefill harness of A with the time left.
 set -uo pipefail
 ROOT=$PWD; OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 log() { echo "== $(date -u +%T) $*"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 rm -rf /tmp/ab/B && mkdir -p /tmp/ab/B
 tar --exclude=./build --exclude=./models --exclude=./.peer -cf - . | tar -xf - -C /tmp/ab/B
-(cd /tmp/ab/B && patch -p1 -s < "$ROOT/exp/old.patch (git diff b6240f9 0941213 -- csrc benchmarks/cuda)") || { echo "old patch failed"; exit 1; }
+(cd /tmp/ab/B && patch -p1 -s < "$ROOT/exp/old.patch") || { echo "old patch failed"; exit 1; }
 log build
 mkdir -p build /tmp/ab/B/build
 (nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/prefill_kernels.cu \

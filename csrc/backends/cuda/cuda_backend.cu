@@ -343,16 +343,8 @@ class CudaBackend final : public gpu::GpuBackend {
     check_rows(T, "moe_route");
     if (!op()) return;
     const MoeWeights& M = m_.layers[layer].moe;
-    if (T == 1) {
-      matmul(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts, false);
-      matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false);
-      return;
-    }
-    const GemmArgs router = dense_args(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts);
-    gemm(router, xh_, stream_);
-    gemm(dense_args(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1), xh_, stream_,
-         GemmInput::converted);
-    launched(3);
+    matmul(M.router, act(Act::xn), c_.hidden, T, router_, c_.experts, false);
+    matmul(M.shared_gate, act(Act::xn), c_.hidden, T, shared_logit_, 1, false, GemmInput::converted);
   }
 
   // Nothing is launched here: moe_decode's experts kernel computes the norm and the logits itself, a kernel
@@ -376,9 +368,8 @@ class CudaBackend final : public gpu::GpuBackend {
       routed.up = lin(M.up);
       GemmArgs shared = dense_args(M.shared_gate_proj, xn, H, T, sh_, Is);
       shared.up = lin(M.shared_up);
-      gemm(routed, xh_, stream_);
-      gemm(shared, xh_, stream_, GemmInput::converted);
-      launched(3);
+      product(routed);
+      product(shared, GemmInput::converted);
       grouped(M.down, hbuf_, I, T, nullptr, 1, ybuf_, H);
       matmul(M.shared_down, sh_, Is, T, sy_, H, false);
     } else {
@@ -632,8 +623,10 @@ class CudaBackend final : public gpu::GpuBackend {
                      g.smem, jobs, x, cols, norm, c_.rms_eps, xn_out, g.stages, stage_bytes);
   }
 
-  // Y (+)= W · X for T rows: a warp-per-row GEMV for one row, the tensor-core GEMM for more.
-  void matmul(const Linear& W, const float* X, int ldx, int T, float* Y, int ldy, bool accumulate) {
+  // Y (+)= W · X for T rows: a warp-per-row GEMV for one row, the tensor-core GEMM for more (`in`: whether X is
+  // in the GEMMs' bf16 scratch already, from the product before it; a GEMV reads X as it is).
+  void matmul(const Linear& W, const float* X, int ldx, int T, float* Y, int ldy, bool accumulate,
+              GemmInput in = GemmInput::convert) {
     if (T == 1) {
       GemvJobs jobs;
       add_job(jobs, W, Y);
@@ -643,8 +636,11 @@ class CudaBackend final : public gpu::GpuBackend {
     }
     GemmArgs a = dense_args(W, X, ldx, T, Y, ldy);
     a.accumulate = accumulate;
-    gemm(a, xh_, stream_);
-    launched(2);
+    product(a, in);
+  }
+  void product(const GemmArgs& a, GemmInput in = GemmInput::convert) {
+    gemm(a, xh_, stream_, in);
+    launched(in == GemmInput::convert ? 2 : 1);
   }
   GemmArgs dense_args(const Linear& W, const float* X, int ldx, int T, float* Y, int ldy) {
     return {lin(W), X, ldx, Y, ldy, T, nullptr, nullptr, nullptr, 1, false, 1};
@@ -652,8 +648,7 @@ class CudaBackend final : public gpu::GpuBackend {
 
   // The experts' GEMM over the grouped assignment slots (rows of X gathered through `rows` / `div`).
   void grouped(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y, int ldy) {
-    gemm(grouped_args(W, X, ldx, T, rows, div, Y, ldy), xh_, stream_);
-    launched(2);
+    product(grouped_args(W, X, ldx, T, rows, div, Y, ldy));
   }
   GemmArgs grouped_args(const Linear& W, const float* X, int ldx, int T, const int* rows, int div, float* Y,
                         int ldy) {

@@ -480,10 +480,11 @@ inline void gemm_x_bf16(const GemmArgs& a, GemmScratch x, cudaStream_t stream) {
 // The product with tile t (one of kGemmTiles) from X's rows as gemm_x_bf16 left them in the scratch.
 inline void gemm_launch(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream_t stream) {
   const int ldxh = gemm_ldxh(a.W.cols);
-  if (a.up.w && (a.accumulate || a.up.bits != a.W.bits || a.up.wdt != a.W.wdt || a.up.sdt != a.W.sdt ||
-                 a.up.group != a.W.group || a.up.rows != a.W.rows || a.up.cols != a.W.cols ||
-                 a.up.w_row != a.W.w_row || a.up.w_expert != a.W.w_expert || a.up.s_row != a.W.s_row ||
-                 a.up.s_expert != a.W.s_expert))
+  // a SwiGLU product's two matrices are read with W's strides and format
+  const LinDev &w = a.W, &u = a.up;
+  if (u.w && (a.accumulate || u.bits != w.bits || u.wdt != w.wdt || u.sdt != w.sdt || u.group != w.group ||
+              u.rows != w.rows || u.cols != w.cols || u.w_row != w.w_row || u.w_expert != w.w_expert ||
+              u.s_row != w.s_row || u.s_expert != w.s_expert))
     throw std::invalid_argument("[cuda] GEMM: a SwiGLU product's gate and up differ in format or shape (" +
                                 std::to_string(a.W.rows) + " x " + std::to_string(a.W.cols) + ", " +
                                 std::to_string(a.W.bits) + " bits against " + std::to_string(a.up.rows) + " x " +
