@@ -103,8 +103,6 @@ class CudaBackend final : public gpu::GpuBackend {
     offsets_ = scratch<int>(E, "moe.offsets");
     perm_ = scratch<int>(TK, "moe.perm");
     inv_ = scratch<int>(TK, "moe.inv");
-    g_ = scratch<float>(size_t(TK) * imax_, "moe.gate");
-    u_ = scratch<float>(size_t(TK) * imax_, "moe.up");
     hbuf_ = scratch<float>(size_t(TK) * imax_, "moe.h");
     ybuf_ = scratch<float>(size_t(TK) * H, "moe.y");
     sy_ = scratch<float>(size_t(max_rows) * H, "moe.shared_y");
@@ -373,6 +371,10 @@ class CudaBackend final : public gpu::GpuBackend {
       grouped(M.down, hbuf_, I, T, nullptr, 1, ybuf_, H);
       matmul(M.shared_down, sh_, Is, T, sy_, H, false);
     } else {
+      if (!g_) {  // only the unfused products need them (~67 MB at 2,048-row chunks): made on their first use
+        g_ = scratch<float>(size_t(max_rows()) * K * imax_, "moe.gate");
+        u_ = scratch<float>(size_t(max_rows()) * K * imax_, "moe.up");
+      }
       grouped(M.gate, xn, H, T, perm_, K, g_, I);
       grouped(M.up, xn, H, T, perm_, K, u_, I);
       swiglu(g_, u_, hbuf_, int64_t(TK) * I);

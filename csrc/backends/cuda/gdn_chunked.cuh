@@ -13,7 +13,7 @@
 // gdn_chunk_scan_kernel carries the state through the chunks in order, three small products a chunk, for 32 state
 // columns a block. All fp32 on the CUDA cores: the state and the solve stay exact to fp32 rounding.
 #pragma once
-#include "kernels.cuh"
+#include "gemm.cuh"  // cp.async
 
 namespace lily::cuda {
 
@@ -212,9 +212,18 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_prepare_kernel(const fl
   }
 }
 
+// n floats (a multiple of 4, both ends 16-byte aligned) global → shared by the block's threads, as cp.async copies
+// of the group being built.
+__device__ __forceinline__ void gdn_copy_async(float* dst, const float* src, int n) {
+  for (int i = 4 * int(threadIdx.x); i < n; i += 4 * kGdnThreads) cp_async16(dst + i, src + i, 16);
+}
+
 // One block per (value head, 32 state columns), through the chunks in order: Δ = U − W·S, O = (e^G·Q)·S + P·Δ
 // (the raw output, into mix: gdn_gated_norm_kernel finishes it), S ← e^(G_L)·S + Kdᵀ·Δ. The state slice stays in
-// shared memory from the first chunk to the last.
+// shared memory from the first chunk to the last. The chain through the chunks is the kernel's time, so no part
+// of it waits on a load: each of the pack's parts is copied in (cp.async) for the next chunk as soon as this
+// chunk's product that reads it is done — W and U after Δ, e^G·Q and P after O, Kd after S — and each chunk
+// finds them there (a pack does not fit twice in shared memory beside the state).
 template <int DK>
 __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float* packs, float* rec, float* mix,
                                                                      int ldmix, int T, int nv, int dv) {
@@ -229,27 +238,49 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
   float* U = Wt + gdn_pack_u(DK);      // [L][J]
   float* D = U + L * J;                // [L][J]: Δ
   const int h = blockIdx.x, jb = blockIdx.y * J, tid = threadIdx.x;
+  const int chunks = (T + L - 1) / L;
+  auto pack_of = [&](int chunk) { return packs + (int64_t(chunk) * nv + h) * gdn_pack_floats(DK, dv); };
+  // each part one cp.async group (empty past the last chunk, so that the groups keep their count)
+  auto load_wu = [&](int chunk) {
+    if (chunk < chunks) {
+      const float* pack = pack_of(chunk);
+      gdn_copy_async(Wt, pack, DK * L);
+      for (int idx = tid; idx < L * J / 4; idx += kGdnThreads) {
+        const int t = idx / (J / 4), c = idx % (J / 4) * 4;
+        cp_async16(U + t * J + c, pack + gdn_pack_u(DK) + t * dv + jb + c, 16);
+      }
+    }
+    cp_async_commit();
+  };
+  auto load_qp = [&](int chunk) {
+    if (chunk < chunks) {
+      gdn_copy_async(Qt, pack_of(chunk) + DK * L, DK * L);
+      gdn_copy_async(Pt, pack_of(chunk) + 3 * DK * L, L * L);
+    }
+    cp_async_commit();
+  };
+  auto load_kd = [&](int chunk) {
+    if (chunk < chunks) gdn_copy_async(Kd, pack_of(chunk) + 2 * DK * L, L * DK);
+    cp_async_commit();
+  };
   float* Sg = rec + int64_t(h) * DK * dv + jb;
   for (int idx = tid; idx < DK * J; idx += kGdnThreads) S[idx] = Sg[(idx / J) * dv + idx % J];
+  load_wu(0), load_qp(0), load_kd(0);
+  cp_async_wait<2>();  // W and U
+  __syncthreads();
   const int tr = 2 * (tid / (J / 4)), tc = 4 * (tid % (J / 4));
-  const int chunks = (T + L - 1) / L;
+  // at each chunk's start: its W and U in place; its e^G·Q, P and Kd in flight (the two groups pending)
   for (int chunk = 0; chunk < chunks; ++chunk) {
-    const float* pack = packs + (int64_t(chunk) * nv + h) * gdn_pack_floats(DK, dv);
-    for (int idx = tid; idx < gdn_pack_u(DK) / 4; idx += kGdnThreads)
-      reinterpret_cast<float4*>(Wt)[idx] = reinterpret_cast<const float4*>(pack)[idx];
-    for (int idx = tid; idx < L * J / 4; idx += kGdnThreads) {
-      const int t = idx / (J / 4), c = idx % (J / 4) * 4;
-      reinterpret_cast<float4*>(U)[idx] = *reinterpret_cast<const float4*>(pack + gdn_pack_u(DK) + t * dv + jb + c);
-    }
-    const float gL = pack[gdn_pack_u(DK) + L * dv];
-    __syncthreads();
+    const float gL = pack_of(chunk)[gdn_pack_u(DK) + L * dv];
     float acc[2][4] = {};
     tile_mac(acc, Wt, L, tr, S, J, tc, DK);
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
       for (int c = 0; c < 4; ++c) D[(tr + r) * J + tc + c] = U[(tr + r) * J + tc + c] - acc[r][c];
-    __syncthreads();
+    cp_async_wait<1>();  // e^G·Q and P
+    __syncthreads();     // Δ complete; W and U read
+    load_wu(chunk + 1);
     float o[2][4] = {};
     tile_mac(o, Qt, L, tr, S, J, tc, DK);
     tile_mac(o, Pt, L, tr, D, J, tc, L);
@@ -261,7 +292,9 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
 #pragma unroll
         for (int c = 0; c < 4; ++c) out[c] = o[r][c];
       }
-    __syncthreads();  // every read of S done before it moves on
+    cp_async_wait<1>();  // Kd
+    __syncthreads();     // every read of S, e^G·Q and P done
+    load_qp(chunk + 1);
     for (int tile = tid; tile < (DK / 2) * (J / 4); tile += kGdnThreads) {
       const int ir = 2 * (tile / (J / 4)), ic = 4 * (tile % (J / 4));
       float s[2][4] = {};
@@ -271,8 +304,11 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
 #pragma unroll
         for (int c = 0; c < 4; ++c) S[(ir + r) * J + ic + c] = fmaf(gL, S[(ir + r) * J + ic + c], s[r][c]);
     }
-    __syncthreads();  // S complete; the buffers free for the next chunk
+    cp_async_wait<1>();  // the next chunk's W and U
+    __syncthreads();     // S complete; Kd read
+    load_kd(chunk + 1);
   }
+  cp_async_wait<0>();  // (only empty groups left)
   for (int idx = tid; idx < DK * J; idx += kGdnThreads) Sg[(idx / J) * dv + idx % J] = S[idx];
 }
 
