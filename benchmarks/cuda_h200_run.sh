@@ -6,7 +6,9 @@
 # while time is left. Run from the root of a copy of the repository, with $OUT set (at most 8 files come back).
 # FALLBACK: a second tree whose tests and benchmarks run instead when the decode harness fails in this one.
 # BUDGET: seconds from the start by which llama.cpp's jobs stop (560); END: by which the optional steps
-# (transformers, the bytes of a step) must be done (590).
+# (transformers, the bytes of a step) must be done (590). STAGE1: cuda_device.sh's steps before the tests
+# ("build decode"). PRE: a script run once llama.cpp's build has started, before lily is built (a kernel's A/B
+# that may change the tree, say).
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -15,12 +17,14 @@ el() { echo "== +$(( $(date +%s) - T0 )) s $*"; }
 export PEER_DEADLINE=$(( T0 + ${BUDGET:-560} )) LILY_TEST_MODELS=${LILY_TEST_MODELS:-$PWD/models} PEER_NICE=0 PEER_JOBS=14
 mkdir -p "$OUT/extra"
 bash "$PEER" start
-el "lily build + decode kernels"
-nice -n 5 env STEPS="build decode" bash benchmarks/cuda_device.sh > "$OUT/extra/stage1.txt" 2>&1
-mv "$OUT/logs.tar.gz" "$OUT/extra/logs_build_kernels.tar.gz"
-grep -E "FAIL|passed|ERROR SUMMARY|error|time |tiles|step|argmax" "$OUT/extra/stage1.txt" | tail -22
+if [ -n "${PRE:-}" ]; then el "$PRE"; bash "$PRE"; fi
+STAGE1=${STAGE1:-build decode}
+el "lily: $STAGE1"
+nice -n 5 env STEPS="$STAGE1" bash benchmarks/cuda_device.sh > "$OUT/extra/stage1.txt" 2>&1
+mv "$OUT/logs.tar.gz" "$OUT/extra/logs_build_kernels.tar.gz" 2>/dev/null
+grep -E "FAIL|passed|ERROR SUMMARY|error|time |tiles|step|argmax|cuda:" "$OUT/extra/stage1.txt" | tail -22
 TREE=$PWD
-if ! grep -q "all passed" "$OUT/extra/stage1.txt" && [ -n "${FALLBACK:-}" ]; then
+if [[ " $STAGE1 " == *" decode "* ]] && ! grep -q "all passed" "$OUT/extra/stage1.txt" && [ -n "${FALLBACK:-}" ]; then
   el "harness failed: the fallback tree"; TREE=$FALLBACK
   (cd "$TREE" && STEPS="build" bash benchmarks/cuda_device.sh > "$OUT/extra/stage1_fb.txt" 2>&1; rm -f "$OUT/logs.tar.gz")
 fi

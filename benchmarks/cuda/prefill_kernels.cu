@@ -347,6 +347,15 @@ void gdn_case(int T, int nk, int nv, int dk, int dv, bool time) {
   // flops: the row-by-row form's four multiply-adds a state element a row
   report("gdn", shape, compare(got_out, ref_out), 3e-4, 3e-5, 8.0 * T * nv * dk * dv, ms, 0);
   report("", "  (final state)", compare(got_state, ref_state), 3e-4, 3e-5, 0, 0, 0);
+  if (time && dk == 128) {  // the two kernels' shares: the packs alone (every chunk at once), the rest the scan
+    const int chunks = (T + kGdnChunk - 1) / kGdnChunk;
+    const float prep = time_ms([&] {
+      gdn_chunk_prepare_kernel<128><<<dim3(chunks, nv), kGdnThreads, gdn_prepare_smem_bytes<128>()>>>(
+          dconv, db, da, packs, T, C, nk, nv, dv);
+    });
+    std::printf("        of which the packs %.3f ms, the scan %.3f ms (%.1f us a chunk)\n", prep, ms - prep,
+                1e3f * (ms - prep) / chunks);
+  }
   for (void* p : std::initializer_list<void*>{dconv, db, da, dA, ddt, rec, mix, packs}) cudaFree(p);
 }
 
