@@ -6,7 +6,8 @@
 # its small shapes, then in full; kernels times the earlier prefill kernels too when build/old_kernels.cuh, a
 # copy of them in namespace lily::old, was carried; trace: the experts' kernel's timeline in the decode harness's
 # step chain, from a build with -DLILY_DECODE_TRACE).
-# Tiny test models: $LILY_TEST_MODELS (carried: the mlx kinds cannot be built without mlx there).
+# Tiny test models: $LILY_TEST_MODELS (carried: the mlx kinds and the tokenizer cannot be built there; make the
+# folder with benchmarks/cuda_test_models.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}

@@ -11,7 +11,8 @@
 // Two kernels: gdn_chunk_prepare_kernel builds W, U, P, e^G·Q and Kd for every (chunk, value head) at once (the
 // work that does not need the state: all of the chunk's row-by-row dependence is in the triangular solve), and
 // gdn_chunk_scan_kernel carries the state through the chunks in order, three small products a chunk, for 32 state
-// columns a block. All fp32 on the CUDA cores: the state and the solve stay exact to fp32 rounding.
+// columns a block. The packs are built in fp32 on the CUDA cores, the scan's products run on the tensor cores as
+// three tf32 products each (mma_3xtf32): the state and the solve stay exact to about fp32's rounding.
 #pragma once
 #include "gemm.cuh"  // cp.async
 
@@ -34,28 +35,57 @@ constexpr int gdn_prepare_smem_bytes() {
   // K, Q (rows padded), A, G, β, (I + A)⁻¹ (rows padded)
   return (2 * kGdnChunk * (DK + 4) + kGdnChunk * kGdnChunk + 2 * kGdnChunk + kGdnChunk * (kGdnChunk + 4)) * 4;
 }
+// The scan's shared arrays, each row padded by 8 floats: a tensor-core fragment's loads (lanes 4 apart a row
+// apart) then fall in 32 distinct banks.
+__host__ __device__ constexpr int gdn_pitch(int n) { return n + 8; }
 template <int DK>
-constexpr int gdn_scan_smem_bytes() {
-  return (DK * kGdnCols + gdn_pack_u(DK) + 2 * kGdnChunk * kGdnCols) * 4;  // S, Wᵀ … Pᵀ, U, Δ
+constexpr int gdn_scan_smem_bytes() {  // S, Wᵀ, (e^G·Q)ᵀ, Kd, Pᵀ, U, Δ
+  constexpr int L = kGdnChunk, J = kGdnCols;
+  return (DK * gdn_pitch(J) + 2 * DK * gdn_pitch(L) + L * gdn_pitch(DK) + L * gdn_pitch(L) + 2 * L * gdn_pitch(J)) * 4;
 }
 
 __device__ __forceinline__ float dot4(float4 a, float4 b) {
   return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
 }
 
-// acc[r][c] += Σ_k a[k·lda + r0 + r] · b[k·ldb + c0 + c] for r < 2, c < 4: two columns of a k-major a times four
-// columns of b (r0 even, c0 a multiple of 4: one float2 and one float4 load a step).
-__device__ __forceinline__ void tile_mac(float (&acc)[2][4], const float* a, int lda, int r0, const float* b, int ldb,
-                                         int c0, int K) {
-#pragma unroll 8
-  for (int k = 0; k < K; ++k) {
-    const float2 x = *reinterpret_cast<const float2*>(a + k * lda + r0);
-    const float4 y = *reinterpret_cast<const float4*>(b + k * ldb + c0);
-    const float xr[2] = {x.x, x.y}, yc[4] = {y.x, y.y, y.z, y.w};
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// acc[j] += A·B for a warp's NT tiles of 16 × 8 outputs (rows m0 …, columns n0 + 8j …), over K (a multiple of 8):
+// A and B both k-major in shared memory (A[m][k] = a[k·lda + m], B[k][n] = b[k·ldb + n]). Each product is three
+// tf32 products, hi·hi + hi·lo + lo·hi of each operand's split x = hi + lo: the state's recurrence keeps fp32's
+// accuracy (one tf32 product alone loses ~3 decimal digits a chunk) on the tensor cores. acc[j][·] holds the
+// tile's (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) for lane = 4g + t.
+template <int NT>
+__device__ __forceinline__ void mma_3xtf32(float (&acc)[NT][4], const float* a, int lda, int m0, const float* b,
+                                           int ldb, int n0, int K) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 2
+  for (int k = 0; k < K; k += 8) {
+    const float* ak = a + (k + t) * lda + m0 + g;
+    const float av[4] = {ak[0], ak[8], ak[4 * lda], ak[4 * lda + 8]};
+    uint32_t ah[4], al[4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 4; ++i) split_tf32(av[i], ah[i], al[i]);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(xr[r], yc[c], acc[r][c]);
+    for (int j = 0; j < NT; ++j) {
+      const float* bk = b + (k + t) * ldb + n0 + 8 * j + g;
+      uint32_t bh[2], bl[2];
+      split_tf32(bk[0], bh[0], bl[0]);
+      split_tf32(bk[4 * ldb], bh[1], bl[1]);
+      mma_tf32(acc[j], al, bh);
+      mma_tf32(acc[j], ah, bl);
+      mma_tf32(acc[j], ah, bh);
+    }
   }
 }
 
@@ -212,104 +242,114 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_prepare_kernel(const fl
   }
 }
 
-// n floats (a multiple of 4, both ends 16-byte aligned) global → shared by the block's threads, as cp.async copies
-// of the group being built.
-__device__ __forceinline__ void gdn_copy_async(float* dst, const float* src, int n) {
-  for (int i = 4 * int(threadIdx.x); i < n; i += 4 * kGdnThreads) cp_async16(dst + i, src + i, 16);
+// rows × cols floats (cols a multiple of 4, rows 16-byte aligned) global → shared by the block's threads, as
+// cp.async copies of the group being built.
+__device__ __forceinline__ void gdn_copy_async(float* dst, int dst_pitch, const float* src, int64_t src_pitch,
+                                               int rows, int cols) {
+  for (int idx = threadIdx.x; idx < rows * cols / 4; idx += kGdnThreads) {
+    const int r = idx / (cols / 4), c = idx % (cols / 4) * 4;
+    cp_async16(dst + r * dst_pitch + c, src + r * src_pitch + c, 16);
+  }
 }
 
 // One block per (value head, 32 state columns), through the chunks in order: Δ = U − W·S, O = (e^G·Q)·S + P·Δ
-// (the raw output, into mix: gdn_gated_norm_kernel finishes it), S ← e^(G_L)·S + Kdᵀ·Δ. The state slice stays in
-// shared memory from the first chunk to the last. The chain through the chunks is the kernel's time, so no part
-// of it waits on a load: each of the pack's parts is copied in (cp.async) for the next chunk as soon as this
-// chunk's product that reads it is done — W and U after Δ, e^G·Q and P after O, Kd after S — and each chunk
-// finds them there (a pack does not fit twice in shared memory beside the state).
+// (the raw output, into mix: gdn_gated_norm_kernel finishes it), S ← e^(G_L)·S + Kdᵀ·Δ, the three products on
+// the tensor cores (mma_3xtf32). The state slice stays in shared memory from the first chunk to the last. The
+// chain through the chunks is the kernel's time, so no part of it waits on a load: each of the pack's parts is
+// copied in (cp.async) for the next chunk as soon as this chunk's product that reads it is done — W and U after
+// Δ, e^G·Q and P after O, Kd after S — and each chunk finds them there (a pack does not fit twice in shared
+// memory beside the state).
 template <int DK>
 __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float* packs, float* rec, float* mix,
                                                                      int ldmix, int T, int nv, int dv) {
-  constexpr int L = kGdnChunk, J = kGdnCols;
-  static_assert(kGdnThreads == (L / 2) * (J / 4), "a 2 × 4 tile of the chunk's [L][J] outputs a thread");
+  constexpr int L = kGdnChunk, J = kGdnCols, LP = gdn_pitch(L), KP = gdn_pitch(DK), JP = gdn_pitch(J);
+  static_assert(kGdnThreads == 8 * 32 && L == 64 && J == 32 && DK % 32 == 0 && DK <= 128,
+                "eight warps: a 16 × 16 tile of the chunk's [L][J] outputs each, and DK / 32 16 × 8 tiles of S");
   extern __shared__ __align__(16) float sm[];
-  float* S = sm;                       // [DK][J]
-  float* Wt = S + DK * J;              // [DK][L]; then Qt [DK][L], Kd [L][DK], Pt [L][L], as in the pack
-  float* Qt = Wt + DK * L;
-  float* Kd = Qt + DK * L;
-  float* Pt = Kd + L * DK;
-  float* U = Wt + gdn_pack_u(DK);      // [L][J]
-  float* D = U + L * J;                // [L][J]: Δ
+  float* S = sm;              // [DK][JP]
+  float* Wt = S + DK * JP;    // [DK][LP]
+  float* Qt = Wt + DK * LP;   // [DK][LP]
+  float* Kd = Qt + DK * LP;   // [L][KP]
+  float* Pt = Kd + L * KP;    // [L][LP]
+  float* U = Pt + L * LP;     // [L][JP]
+  float* D = U + L * JP;      // [L][JP]: Δ
   const int h = blockIdx.x, jb = blockIdx.y * J, tid = threadIdx.x;
   const int chunks = (T + L - 1) / L;
   auto pack_of = [&](int chunk) { return packs + (int64_t(chunk) * nv + h) * gdn_pack_floats(DK, dv); };
   // each part one cp.async group (empty past the last chunk, so that the groups keep their count)
   auto load_wu = [&](int chunk) {
     if (chunk < chunks) {
-      const float* pack = pack_of(chunk);
-      gdn_copy_async(Wt, pack, DK * L);
-      for (int idx = tid; idx < L * J / 4; idx += kGdnThreads) {
-        const int t = idx / (J / 4), c = idx % (J / 4) * 4;
-        cp_async16(U + t * J + c, pack + gdn_pack_u(DK) + t * dv + jb + c, 16);
-      }
+      gdn_copy_async(Wt, LP, pack_of(chunk), L, DK, L);
+      gdn_copy_async(U, JP, pack_of(chunk) + gdn_pack_u(DK) + jb, dv, L, J);
     }
     cp_async_commit();
   };
   auto load_qp = [&](int chunk) {
     if (chunk < chunks) {
-      gdn_copy_async(Qt, pack_of(chunk) + DK * L, DK * L);
-      gdn_copy_async(Pt, pack_of(chunk) + 3 * DK * L, L * L);
+      gdn_copy_async(Qt, LP, pack_of(chunk) + DK * L, L, DK, L);
+      gdn_copy_async(Pt, LP, pack_of(chunk) + 3 * DK * L, L, L, L);
     }
     cp_async_commit();
   };
   auto load_kd = [&](int chunk) {
-    if (chunk < chunks) gdn_copy_async(Kd, pack_of(chunk) + 2 * DK * L, L * DK);
+    if (chunk < chunks) gdn_copy_async(Kd, KP, pack_of(chunk) + 2 * DK * L, DK, L, DK);
     cp_async_commit();
   };
   float* Sg = rec + int64_t(h) * DK * dv + jb;
-  for (int idx = tid; idx < DK * J; idx += kGdnThreads) S[idx] = Sg[(idx / J) * dv + idx % J];
-  load_wu(0), load_qp(0), load_kd(0);
-  cp_async_wait<2>();  // W and U
+  gdn_copy_async(S, JP, Sg, dv, DK, J);
+  load_wu(0), load_qp(0), load_kd(0);  // (S in the first group)
+  cp_async_wait<2>();                  // S, W and U
   __syncthreads();
-  const int tr = 2 * (tid / (J / 4)), tc = 4 * (tid % (J / 4));
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  // Δ and O: the warp's rows m0 …, columns n0 … (two 16 × 8 tiles); S: rows s0 …, columns c0 … (DK / 32 tiles)
+  constexpr int kSWarps = 128 / DK, kSTiles = DK / 32;  // warps an S row tile, its column tiles a warp
+  const int m0 = 16 * (warp / 2), n0 = 16 * (warp % 2);
+  const int s0 = 16 * (warp / kSWarps), c0 = 8 * kSTiles * (warp % kSWarps);
   // at each chunk's start: its W and U in place; its e^G·Q, P and Kd in flight (the two groups pending)
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const float gL = pack_of(chunk)[gdn_pack_u(DK) + L * dv];
     float acc[2][4] = {};
-    tile_mac(acc, Wt, L, tr, S, J, tc, DK);
+    mma_3xtf32(acc, Wt, LP, m0, S, JP, n0, DK);
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) D[(tr + r) * J + tc + c] = U[(tr + r) * J + tc + c] - acc[r][c];
+      for (int e = 0; e < 4; ++e) {
+        const int at = (m0 + g + 8 * (e / 2)) * JP + n0 + 8 * j + 2 * t + e % 2;
+        D[at] = U[at] - acc[j][e];
+      }
     cp_async_wait<1>();  // e^G·Q and P
     __syncthreads();     // Δ complete; W and U read
     load_wu(chunk + 1);
     float o[2][4] = {};
-    tile_mac(o, Qt, L, tr, S, J, tc, DK);
-    tile_mac(o, Pt, L, tr, D, J, tc, L);
+    mma_3xtf32(o, Qt, LP, m0, S, JP, n0, DK);
+    mma_3xtf32(o, Pt, LP, m0, D, JP, n0, L);
     const int n = min(L, T - chunk * L);
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (tr + r < n) {
-        float* out = mix + int64_t(chunk * L + tr + r) * ldmix + h * dv + jb + tc;
+    for (int e = 0; e < 4; ++e) {
+      const int r = m0 + g + 8 * (e / 2);
+      if (r < n)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) out[c] = o[r][c];
-      }
+        for (int j = 0; j < 2; ++j) mix[int64_t(chunk * L + r) * ldmix + h * dv + jb + n0 + 8 * j + 2 * t + e % 2] = o[j][e];
+    }
     cp_async_wait<1>();  // Kd
     __syncthreads();     // every read of S, e^G·Q and P done
     load_qp(chunk + 1);
-    for (int tile = tid; tile < (DK / 2) * (J / 4); tile += kGdnThreads) {
-      const int ir = 2 * (tile / (J / 4)), ic = 4 * (tile % (J / 4));
-      float s[2][4] = {};
-      tile_mac(s, Kd, DK, ir, D, J, ic, L);
+    float s[kSTiles][4];
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < kSTiles; ++j)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) S[(ir + r) * J + ic + c] = fmaf(gL, S[(ir + r) * J + ic + c], s[r][c]);
-    }
+      for (int e = 0; e < 4; ++e) s[j][e] = gL * S[(s0 + g + 8 * (e / 2)) * JP + c0 + 8 * j + 2 * t + e % 2];
+    mma_3xtf32(s, Kd, KP, s0, D, JP, c0, L);
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[(s0 + g + 8 * (e / 2)) * JP + c0 + 8 * j + 2 * t + e % 2] = s[j][e];
     cp_async_wait<1>();  // the next chunk's W and U
     __syncthreads();     // S complete; Kd read
     load_kd(chunk + 1);
   }
   cp_async_wait<0>();  // (only empty groups left)
-  for (int idx = tid; idx < DK * J; idx += kGdnThreads) Sg[(idx / J) * dv + idx % J] = S[idx];
+  for (int idx = tid; idx < DK * J; idx += kGdnThreads) Sg[(idx / J) * dv + idx % J] = S[(idx / J) * JP + idx % J];
 }
 
 // The recurrence over T prepared rows, state rec [n_v][d_k][d_v] in and out; packs holds ⌈T/64⌉·n_v packs.
