@@ -329,7 +329,8 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
       const int r = m0 + g + 8 * (e / 2);
       if (r < n)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) mix[int64_t(chunk * L + r) * ldmix + h * dv + jb + n0 + 8 * j + 2 * t + e % 2] = o[j][e];
+        for (int j = 0; j < 2; ++j)
+          mix[int64_t(chunk * L + r) * ldmix + h * dv + jb + n0 + 8 * j + 2 * t + e % 2] = o[j][e];
     }
     cp_async_wait<1>();  // Kd
     __syncthreads();     // every read of S, e^G·Q and P done
