@@ -11,7 +11,8 @@
 #
 #   OUT=$OUT bash benchmarks/cuda_ab.sh name=exp/change.patch [name2=exp/other.patch ...]
 #
-# ROUNDS (2); CONTEXTS (128,4096); LENGTHS (512,4096); WHAT ("step decode"). The copies go to /tmp/ab/<name>.
+# ROUNDS (2); CONTEXTS (128,4096); LENGTHS (512,4096); WHAT ("step decode"). The copies go to /tmp/ab/<name>;
+# lily itself is built only for decode and prefill.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -44,12 +45,12 @@ for n in "${NAMES[@]}"; do
           -o build/${h}_kernels >"$OUT/ab_${h}_harness_$n.log" 2>&1 || echo "$n: $h harness build failed") &
     fi
   done
-  (cd "${TREE[$n]}" && cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  { has decode || has prefill; } && (cd "${TREE[$n]}" && cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DPython_EXECUTABLE="$(command -v python3)" -DLILY_METAL_EMU=OFF >"$OUT/ab_build_$n.log" 2>&1 &&
     cmake --build build/dev -j"$jobs" >>"$OUT/ab_build_$n.log" 2>&1 && ln -sf "${TREE[$n]}"/build/dev/_core*.so src/lily/ ||
     { echo "$n: lily build failed"; tail -20 "$OUT/ab_build_$n.log"; }
     # the checkpoint, once A's lily._core is there (lily.cli imports it), while the other builds go on
-    if [ "$n" = A ] && { has decode || has prefill; } && [ ! -d /tmp/synth-full ]; then
+    if [ "$n" = A ] && [ ! -d /tmp/synth-full ]; then
       log "synth full"
       PYTHONPATH=$ROOT/src python3 -m lily.cli synth --scale full --out /tmp/synth-full >"$OUT/ab_synth.log" 2>&1 ||
         tail -5 "$OUT/ab_synth.log"

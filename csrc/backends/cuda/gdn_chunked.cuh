@@ -11,8 +11,8 @@
 // Two kernels: gdn_chunk_prepare_kernel builds W, U, P, e^G·Q and Kd for every (chunk, value head) at once (the
 // work that does not need the state: all of the chunk's row-by-row dependence is in the triangular solve), and
 // gdn_chunk_scan_kernel carries the state through the chunks in order, three small products a chunk, for 32 state
-// columns a block. The packs are built in fp32 on the CUDA cores, the scan's products run on the tensor cores as
-// three tf32 products each (mma_3xtf32): the state and the solve stay exact to about fp32's rounding.
+// columns a block. Both kernels' products run on the tensor cores as three tf32 products each (mma_3xtf32): the
+// state and the packs stay exact to about fp32's rounding. The triangular solve runs on the CUDA cores.
 #pragma once
 #include "gemm.cuh"  // cp.async
 
@@ -30,11 +30,6 @@ __host__ __device__ constexpr int gdn_pack_floats(int dk, int dv) {
 }
 __host__ __device__ constexpr int gdn_pack_u(int dk) { return 3 * dk * kGdnChunk + kGdnChunk * kGdnChunk; }
 
-template <int DK>
-constexpr int gdn_prepare_smem_bytes() {
-  // K, Q (rows padded), A, G, β, (I + A)⁻¹ (rows padded)
-  return (2 * kGdnChunk * (DK + 4) + kGdnChunk * kGdnChunk + 2 * kGdnChunk + kGdnChunk * (kGdnChunk + 4)) * 4;
-}
 // The scan's shared arrays, each row padded by 8 floats: a tensor-core fragment's loads (lanes 4 apart a row
 // apart) then fall in 32 distinct banks.
 __host__ __device__ constexpr int gdn_pitch(int n) { return n + 8; }
@@ -43,9 +38,10 @@ constexpr int gdn_scan_smem_bytes() {  // S, Wᵀ, (e^G·Q)ᵀ, Kd, Pᵀ, U, Δ
   constexpr int L = kGdnChunk, J = kGdnCols;
   return (DK * gdn_pitch(J) + 2 * DK * gdn_pitch(L) + L * gdn_pitch(DK) + L * gdn_pitch(L) + 2 * L * gdn_pitch(J)) * 4;
 }
-
-__device__ __forceinline__ float dot4(float4 a, float4 b) {
-  return fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, a.w * b.w)));
+template <int DK>
+constexpr int gdn_prepare_smem_bytes() {  // Kᵀ, Qᵀ (later the right-hand sides), A, G, β, e^G, (I + A)⁻¹ᵀ
+  constexpr int L = kGdnChunk, LP = gdn_pitch(L);
+  return (DK * LP + (DK > L ? DK : L) * LP + L * L + 3 * L + L * LP) * 4;
 }
 
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
@@ -59,6 +55,10 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// acc[j][e]'s place in a warp's mma_3xtf32 tile: row m0 + mma_row(e), column n0 + mma_col(j, e).
+__device__ __forceinline__ int mma_row(int e) { return (threadIdx.x & 31) / 4 + 8 * (e / 2); }
+__device__ __forceinline__ int mma_col(int j, int e) { return 8 * j + 2 * (threadIdx.x & 3) + e % 2; }
 
 // acc[j] += A·B for a warp's NT tiles of 16 × 8 outputs (rows m0 …, columns n0 + 8j …), over K (a multiple of 8):
 // A and B both k-major in shared memory (A[m][k] = a[k·lda + m], B[k][n] = b[k·ldb + n]). Each product is three
@@ -110,33 +110,40 @@ __device__ __forceinline__ void unit_lower_solve(float (&x)[kGdnChunk], const fl
 }
 
 // One block per (chunk, value head): the chunk's pack (see gdn_pack_floats). `log_decay` holds λ per (row, value
-// head), `beta` β; conv the prepared [q ‖ k ‖ v] rows.
+// head), `beta` β; conv the prepared [q ‖ k ‖ v] rows. Its products — K·Kᵀ and Q·Kᵀ over d_k, then W and U, (I + A)⁻¹
+// times the chunk's right-hand sides — run on the tensor cores like the scan's (mma_3xtf32, so Q and K are held
+// transposed); the triangular solve for (I + A)⁻¹ stays on 64 threads while the others stage the first
+// right-hand sides.
 template <int DK>
-__global__ void __launch_bounds__(kGdnThreads) gdn_chunk_prepare_kernel(const float* conv, const float* beta,
-                                                                        const float* log_decay, float* packs, int T,
-                                                                        int C, int nk, int nv, int dv) {
-  constexpr int L = kGdnChunk, KP = DK + 4, TP = L + 4;  // rows padded by 4 floats: float4 accesses hit all banks
-  static_assert(L == 64 && kGdnThreads == 4 * L && DK % 4 == 0, "the prefix sum, the dot-product split");
+__global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prepare_kernel(const float* conv, const float* beta,
+                                                                           const float* log_decay, float* packs,
+                                                                           int T, int C, int nk, int nv, int dv) {
+  constexpr int L = kGdnChunk, LP = gdn_pitch(L), RC = 64;  // RC: right-hand-side columns a pass
+  static_assert(L == 64 && kGdnThreads == 8 * 32 && DK % 32 == 0,
+                "eight warps: a 16 × 32 tile of the chunk's [L][L] products or of a pass's [L][RC] outputs each");
   extern __shared__ __align__(16) float sm[];
-  float* Ks = sm;            // [L][KP]
-  float* Qs = Ks + L * KP;   // [L][KP]
-  float* As = Qs + L * KP;   // [L][L]
-  float* G = As + L * L;     // [L]
-  float* B = G + L;          // [L]
-  float* Ti = B + L;         // [L][TP]
+  float* Kt = sm;                           // [DK][LP]: Kᵀ
+  float* Qt = Kt + DK * LP;                 // [DK][LP]: Qᵀ; once read, R [L][LP], a pass's right-hand sides
+  float* R = Qt;
+  float* As = Qt + (DK > L ? DK : L) * LP;  // [L][L]
+  float* G = As + L * L;                    // [L]
+  float* B = G + L;                         // [L]
+  float* EG = B + L;                        // [L]: e^G
+  float* Ti = EG + L;                       // [L][LP]: Ti[c][t] = (I + A)⁻¹[t][c]
   const int chunk = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const int t0 = chunk * L, n = min(L, T - t0), kh = h / (nv / nk), Kd = nk * DK;
   float* pack = packs + (int64_t(chunk) * nv + h) * gdn_pack_floats(DK, dv);
+  // rows fastest, so that the transposed stores fall in distinct banks
   for (int idx = tid; idx < L * DK / 4; idx += kGdnThreads) {
-    const int t = idx / (DK / 4), i = idx % (DK / 4) * 4;
+    const int t = idx % L, i = idx / L * 4;
     float4 q = make_float4(0.f, 0.f, 0.f, 0.f), k = q;
     if (t < n) {
       const float* row = conv + int64_t(t0 + t) * C + kh * DK + i;
       q = *reinterpret_cast<const float4*>(row);
       k = *reinterpret_cast<const float4*>(row + Kd);
     }
-    *reinterpret_cast<float4*>(Qs + t * KP + i) = q;
-    *reinterpret_cast<float4*>(Ks + t * KP + i) = k;
+    Qt[i * LP + t] = q.x, Qt[(i + 1) * LP + t] = q.y, Qt[(i + 2) * LP + t] = q.z, Qt[(i + 3) * LP + t] = q.w;
+    Kt[i * LP + t] = k.x, Kt[(i + 1) * LP + t] = k.y, Kt[(i + 2) * LP + t] = k.z, Kt[(i + 3) * LP + t] = k.w;
   }
   if (tid < 32) {
     // G: inclusive prefix sum of λ, lane l holding rows l and l + 32; rows past n decay by nothing (λ = 0, β = 0)
@@ -151,56 +158,63 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_prepare_kernel(const fl
     }
     g1 += __shfl_sync(0xffffffffu, g0, 31);
     G[tid] = g0, G[tid + 32] = g1;
+    EG[tid] = expf(g0), EG[tid + 32] = expf(g1);
   }
   __syncthreads();
 
-  // k_t·k_s and q_t·k_s for column s and rows t = 16·tq … 16·tq + 15 (a warp shares tq: those rows broadcast)
+  const int warp = tid / 32;
+  const int m0 = 16 * (warp / 2), n0 = 32 * (warp % 2);  // the warp's rows and columns of an [L][64] product
   {
-    const int s = tid % L, tq = tid / L;
-    float kk[16], qk[16];
+    float kk[4][4] = {}, qk[4][4] = {};
+    mma_3xtf32(kk, Kt, LP, m0, Kt, LP, n0, DK);
+    mma_3xtf32(qk, Qt, LP, m0, Kt, LP, n0, DK);
 #pragma unroll
-    for (int m = 0; m < 16; ++m) kk[m] = qk[m] = 0.f;
-#pragma unroll 1
-    for (int i = 0; i < DK; i += 4) {
-      const float4 ks = *reinterpret_cast<const float4*>(Ks + s * KP + i);
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int m = 0; m < 16; ++m) {
-        const int t = tq * 16 + m;
-        kk[m] += dot4(*reinterpret_cast<const float4*>(Ks + t * KP + i), ks);
-        qk[m] += dot4(*reinterpret_cast<const float4*>(Qs + t * KP + i), ks);
+      for (int e = 0; e < 4; ++e) {
+        const int t = m0 + mma_row(e), s = n0 + mma_col(j, e);
+        const float decay = s <= t ? expf(G[t] - G[s]) : 0.f;  // masked before the exp: G_t − G_s > 0 above it
+        As[t * L + s] = s < t ? B[t] * decay * kk[j][e] : 0.f;
+        pack[3 * DK * L + s * L + t] = decay * qk[j][e];  // Pᵀ
       }
-    }
-    float p[16];
+  }
+  // (e^G·Q)ᵀ and Kd
+  for (int idx = tid; idx < DK * L / 4; idx += kGdnThreads) {
+    const int i = idx / (L / 4), t = idx % (L / 4) * 4;
+    const float4 q = *reinterpret_cast<const float4*>(Qt + i * LP + t);
+    *reinterpret_cast<float4*>(pack + DK * L + i * L + t) =
+        make_float4(EG[t] * q.x, EG[t + 1] * q.y, EG[t + 2] * q.z, EG[t + 3] * q.w);
+  }
+  for (int idx = tid; idx < L / 4 * DK; idx += kGdnThreads) {  // four rows a thread: Kᵀ read a float4 at a time
+    const int s = idx / DK * 4, i = idx % DK;
+    const float4 k = *reinterpret_cast<const float4*>(Kt + i * LP + s);
+    const float e[4] = {k.x, k.y, k.z, k.w};
 #pragma unroll
-    for (int m = 0; m < 16; ++m) {
-      const int t = tq * 16 + m;
-      const float decay = s <= t ? expf(G[t] - G[s]) : 0.f;  // masked before the exp: G_t − G_s > 0 above it
-      As[t * L + s] = s < t ? B[t] * decay * kk[m] : 0.f;
-      p[m] = decay * qk[m];
-    }
-    float* prow = pack + 3 * DK * L + s * L + tq * 16;  // Pᵀ row s
-#pragma unroll
-    for (int m = 0; m < 16; m += 4)
-      *reinterpret_cast<float4*>(prow + m) = make_float4(p[m], p[m + 1], p[m + 2], p[m + 3]);
+    for (int r = 0; r < 4; ++r) pack[2 * DK * L + (s + r) * DK + i] = expf(G[L - 1] - G[s + r]) * e[r];
   }
-  // (e^G·Q)ᵀ, one row i a thread, and Kd
-  for (int i = tid; i < DK; i += kGdnThreads) {
-    float* qrow = pack + DK * L + i * L;
-    for (int t = 0; t < L; t += 4)
-      *reinterpret_cast<float4*>(qrow + t) =
-          make_float4(expf(G[t]) * Qs[t * KP + i], expf(G[t + 1]) * Qs[(t + 1) * KP + i],
-                      expf(G[t + 2]) * Qs[(t + 2) * KP + i], expf(G[t + 3]) * Qs[(t + 3) * KP + i]);
-  }
-  for (int idx = tid; idx < L * DK / 4; idx += kGdnThreads) {
-    const int s = idx / (DK / 4), i = idx % (DK / 4) * 4;
-    const float d = expf(G[L - 1] - G[s]);
-    const float4 k = *reinterpret_cast<const float4*>(Ks + s * KP + i);
-    *reinterpret_cast<float4*>(pack + 2 * DK * L + s * DK + i) = make_float4(d * k.x, d * k.y, d * k.z, d * k.w);
-  }
-  if (tid == 0) pack[gdn_pack_u(DK) + L * dv] = expf(G[L - 1]);
-  __syncthreads();  // A complete
+  if (tid == 0) pack[gdn_pack_u(DK) + L * dv] = EG[L - 1];
+  __syncthreads();  // A complete; Qᵀ read
 
-  // (I + A)⁻¹, a column c of it a thread (the right-hand side e_c), kept transposed: Ti[c][t] = (I + A)⁻¹[t][c]
+  // R ← the right-hand sides of columns c0 … c0 + RC of [W ‖ U], four rows a thread: β·e^G·K for a column of W,
+  // β·V for one of U (V read at row min(s, n − 1): β = 0 past n zeroes it), 0 past the last column
+  auto stage_rhs = [&](int c0, int first, int threads) {
+    for (int idx = tid - first; idx < L / 4 * RC; idx += threads) {
+      const int s = idx / RC * 4, c = idx % RC, col = c0 + c;
+      float r[4] = {0.f, 0.f, 0.f, 0.f};
+      if (col < DK) {
+        const float4 k = *reinterpret_cast<const float4*>(Kt + col * LP + s);
+        r[0] = EG[s] * k.x, r[1] = EG[s + 1] * k.y, r[2] = EG[s + 2] * k.z, r[3] = EG[s + 3] * k.w;
+      } else if (col < DK + dv) {
+        const float* v = conv + int64_t(t0) * C + 2 * Kd + h * dv + col - DK;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) r[e] = v[int64_t(min(s + e, n - 1)) * C];
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) R[(s + e) * LP + c] = B[s + e] * r[e];
+    }
+  };
+  // (I + A)⁻¹, a column c of it a thread (the right-hand side e_c), kept transposed; the other threads stage the
+  // first pass's right-hand sides meanwhile
   if (tid < L) {
     float x[L];
 #pragma unroll
@@ -208,37 +222,30 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_prepare_kernel(const fl
     unit_lower_solve(x, As);
 #pragma unroll
     for (int t = 0; t < L; t += 4)
-      *reinterpret_cast<float4*>(Ti + tid * TP + t) = make_float4(x[t], x[t + 1], x[t + 2], x[t + 3]);
+      *reinterpret_cast<float4*>(Ti + tid * LP + t) = make_float4(x[t], x[t + 1], x[t + 2], x[t + 3]);
+  } else {
+    stage_rhs(0, L, kGdnThreads - L);
   }
   __syncthreads();
-  // W = (I + A)⁻¹·diag(β·e^G)·K (columns < DK) and U = (I + A)⁻¹·diag(β)·V (columns DK …), a column a thread:
-  // x += (I + A)⁻¹[:, s]·rhs_s over the rows s (V read at row min(s, n - 1): β = 0 past n zeroes it)
-  for (int col = tid; col < DK + dv; col += kGdnThreads) {
-    const bool is_w = col < DK;
-    const float* v = conv + int64_t(t0) * C + 2 * Kd + h * dv + (col - DK);
-    float x[L];
+  // W = (I + A)⁻¹·diag(β·e^G)·K and U = (I + A)⁻¹·diag(β)·V, RC columns a pass
+  for (int c0 = 0; c0 < DK + dv; c0 += RC) {
+    if (c0 > 0) {
+      stage_rhs(c0, 0, kGdnThreads);
+      __syncthreads();
+    }
+    float x[4][4] = {};
+    mma_3xtf32(x, Ti, LP, m0, R, LP, n0, L);
 #pragma unroll
-    for (int t = 0; t < L; ++t) x[t] = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < L; ++s) {
-      const float r = B[s] * (is_w ? expf(G[s]) * Ks[s * KP + col] : v[int64_t(min(s, n - 1)) * C]);
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int t = 0; t < L; t += 4) {
-        const float4 a = *reinterpret_cast<const float4*>(Ti + s * TP + t);
-        x[t] = fmaf(a.x, r, x[t]), x[t + 1] = fmaf(a.y, r, x[t + 1]);
-        x[t + 2] = fmaf(a.z, r, x[t + 2]), x[t + 3] = fmaf(a.w, r, x[t + 3]);
+      for (int e = 0; e < 4; ++e) {
+        const int t = m0 + mma_row(e), col = c0 + n0 + mma_col(j, e);
+        if (col < DK)
+          pack[col * L + t] = x[j][e];  // Wᵀ
+        else if (col < DK + dv)
+          pack[gdn_pack_u(DK) + t * dv + col - DK] = x[j][e];
       }
-    }
-    if (is_w) {
-      float* wrow = pack + col * L;  // Wᵀ row col
-#pragma unroll
-      for (int t = 0; t < L; t += 4)
-        *reinterpret_cast<float4*>(wrow + t) = make_float4(x[t], x[t + 1], x[t + 2], x[t + 3]);
-    } else {
-      float* u = pack + gdn_pack_u(DK) + (col - DK);
-#pragma unroll
-      for (int t = 0; t < L; ++t) u[t * dv] = x[t];
-    }
+    __syncthreads();  // R read
   }
 }
 
@@ -300,7 +307,7 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
   load_wu(0), load_qp(0), load_kd(0);  // (S in the first group)
   cp_async_wait<2>();                  // S, W and U
   __syncthreads();
-  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int warp = tid / 32;
   // Δ and O: the warp's rows m0 …, columns n0 … (two 16 × 8 tiles); S: rows s0 …, columns c0 … (DK / 32 tiles)
   constexpr int kSWarps = 128 / DK, kSTiles = DK / 32;  // warps an S row tile, its column tiles a warp
   const int m0 = 16 * (warp / 2), n0 = 16 * (warp % 2);
@@ -314,7 +321,7 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int at = (m0 + g + 8 * (e / 2)) * JP + n0 + 8 * j + 2 * t + e % 2;
+        const int at = (m0 + mma_row(e)) * JP + n0 + mma_col(j, e);
         D[at] = U[at] - acc[j][e];
       }
     cp_async_wait<1>();  // e^G·Q and P
@@ -326,11 +333,11 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
     const int n = min(L, T - chunk * L);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int r = m0 + g + 8 * (e / 2);
+      const int r = m0 + mma_row(e);
       if (r < n)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
-          mix[int64_t(chunk * L + r) * ldmix + h * dv + jb + n0 + 8 * j + 2 * t + e % 2] = o[j][e];
+          mix[int64_t(chunk * L + r) * ldmix + h * dv + jb + n0 + mma_col(j, e)] = o[j][e];
     }
     cp_async_wait<1>();  // Kd
     __syncthreads();     // every read of S, e^G·Q and P done
@@ -339,12 +346,12 @@ __global__ void __launch_bounds__(kGdnThreads) gdn_chunk_scan_kernel(const float
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = gL * S[(s0 + g + 8 * (e / 2)) * JP + c0 + 8 * j + 2 * t + e % 2];
+      for (int e = 0; e < 4; ++e) s[j][e] = gL * S[(s0 + mma_row(e)) * JP + c0 + mma_col(j, e)];
     mma_3xtf32(s, Kd, KP, s0, D, JP, c0, L);
 #pragma unroll
     for (int j = 0; j < kSTiles; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) S[(s0 + g + 8 * (e / 2)) * JP + c0 + 8 * j + 2 * t + e % 2] = s[j][e];
+      for (int e = 0; e < 4; ++e) S[(s0 + mma_row(e)) * JP + c0 + mma_col(j, e)] = s[j][e];
     cp_async_wait<1>();  // the next chunk's W and U
     __syncthreads();     // S complete; Kd read
     load_kd(chunk + 1);
