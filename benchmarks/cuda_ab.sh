@@ -6,6 +6,8 @@
 #            40 layers, lm_head)
 #   decode   greedy decode on synthetic:full (benchmarks/cuda_ab.py, whose token checksums must match across builds)
 #   gdn      the prefill harness's GDN cases (prefill_kernels --gdn: checked against the fp64 host scan, timed)
+#   gemm     the prefill harness's products (prefill_kernels --gemm: checked against the reference, timed at the
+#            model's shapes, every tile)
 #   prefill  prefill of LENGTHS tokens on synthetic:full (benchmarks/cuda_bench.py, JSON to $OUT/ab_prefill_*.json)
 # Run from the tree's root:
 #
@@ -39,7 +41,7 @@ log "build ${NAMES[*]}"
 jobs=$(( 16 / ${#NAMES[@]} > 2 ? 16 / ${#NAMES[@]} : 2 ))
 for n in "${NAMES[@]}"; do
   for h in decode prefill; do
-    if { [ $h = decode ] && has step; } || { [ $h = prefill ] && has gdn; }; then
+    if { [ $h = decode ] && has step; } || { [ $h = prefill ] && { has gdn || has gemm; }; }; then
       (cd "${TREE[$n]}" && mkdir -p build &&
         nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/${h}_kernels.cu \
           -o build/${h}_kernels >"$OUT/ab_${h}_harness_$n.log" 2>&1 || echo "$n: $h harness build failed") &
@@ -69,6 +71,10 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     if has gdn; then
       timeout 60 "${TREE[$n]}"/build/prefill_kernels --gdn >"$OUT/ab_gdn_${n}_$r.log" 2>&1
       grep -E " ms|of which|FAIL|passed" "$OUT/ab_gdn_${n}_$r.log" | sed "s/^/gdn $n round $r: /"
+    fi
+    if has gemm; then
+      timeout 150 "${TREE[$n]}"/build/prefill_kernels --gemm >"$OUT/ab_gemm_${n}_$r.log" 2>&1
+      grep -E "TFLOP|FAIL|passed" "$OUT/ab_gemm_${n}_$r.log" | grep -v "^ " | sed "s/^/gemm $n round $r: /"
     fi
     if has prefill; then  # (cuda_bench.py also times decode: the shortest it allows)
       (cd "${TREE[$n]}" && PYTHONPATH=${TREE[$n]}/src timeout 90 python3 "$ROOT"/benchmarks/cuda_bench.py \

@@ -359,8 +359,35 @@ void gdn_case(int T, int nk, int nv, int dk, int dv, bool time) {
   for (void* p : std::initializer_list<void*>{dconv, db, da, dA, ddt, rec, mix, packs}) cudaFree(p);
 }
 
-// The model's shapes, the large ones timed.
-void model_shapes() {
+// The experts' products of a chunk of T rows: gate/up (gathered rows; apart, then as one SwiGLU product) and down
+void experts_at(int T, bool time) {
+  grouped_case(T, 256, 8, 512, 2048, true, time);
+  grouped_case(T, 256, 8, 512, 2048, true, time, true);
+  grouped_case(T, 256, 8, 2048, 512, false, time);
+}
+
+// Every weight format at small shapes: ragged M, N not a multiple of the tile, K with a half k-tile left,
+// accumulate; the tiny model's experts
+void small_gemms() {
+  struct Format {
+    int bits, wdt, sdt, group;
+  };
+  for (const Format f : {Format{4, kBF16, kBF16, 64}, Format{4, kBF16, kF32, 32}, Format{4, kBF16, kF16, 64},
+                         Format{8, kBF16, kBF16, 64}, Format{8, kBF16, kF32, 32}, Format{0, kBF16, kBF16, 0},
+                         Format{0, kF16, kBF16, 0}, Format{0, kF32, kBF16, 0}})
+    for (int M : {1, 7, 65, 513}) {
+      dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false);
+      dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false, true);
+    }
+  dense_case(63, 328, 160, 4, kBF16, kBF16, 32, true, false);
+  dense_case(130, 256, 2048, 8, kBF16, kBF16, 64, true, false);
+  grouped_case(40, 16, 4, 64, 128, true, false);  // the tiny model's experts
+  grouped_case(40, 16, 4, 64, 128, true, false, true);
+  grouped_case(40, 16, 4, 128, 64, false, false);
+}
+
+// The model's products, the large ones timed.
+void model_gemms() {
   // the model's dense projections (q4, bf16 scales, groups of 64) at the chunk sizes
   for (int M : {7, 63, 65, 513, 2048}) {
     dense_case(M, 12352, 2048, 4, kBF16, kBF16, 64, false, M >= 513);  // GDN in_proj
@@ -372,15 +399,11 @@ void model_shapes() {
   dense_case(512, 256, 2048, 8, kBF16, kBF16, 64, false, true);  // router (8-bit)
   dense_case(7, 248320, 2048, 4, kBF16, kBF16, 64, false, true);  // lm_head
   dense_case(2048, 2048, 2048, 0, kBF16, kBF16, 0, false, true);  // dense bf16
+  for (int T : {1, 65, 512, 2048}) experts_at(T, T >= 512);
+}
 
-  // the experts: gate/up (gathered rows) and down, chunks of 512 and 2048 rows
-  for (int T : {1, 65, 512, 2048}) {
-    grouped_case(T, 256, 8, 512, 2048, true, T >= 512);
-    grouped_case(T, 256, 8, 512, 2048, true, T >= 512, true);
-    grouped_case(T, 256, 8, 2048, 512, false, T >= 512);
-  }
-
-  // causal prefill attention: the real geometry (GQA 16/2, d 256) at the chunk sizes and at later positions
+// Causal prefill attention: the real geometry (GQA 16/2, d 256) at the chunk sizes and at later positions.
+void model_attention() {
   for (const auto& [T, pos] : {std::pair<int, int64_t>{1, 0}, {7, 0}, {63, 5}, {65, 100}, {513, 0}, {512, 1536},
                                {2048, 0}, {2048, 2048}})
     attention_case<256>(T, pos, 16, 2, T >= 512);
@@ -401,41 +424,40 @@ void gdn_cases(bool model) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // --small: the small shapes only (for compute-sanitizer); --gdn: only the Gated DeltaNet's cases, in full
+  // --small: the small shapes only (for compute-sanitizer); --gdn: only the Gated DeltaNet's cases, in full;
+  // --gemm: only the products (small shapes and the model's); --experts: only the experts' products at 2,048
+  // tokens; --experts-once: the same untimed, each tile launched once (a profiler's target)
   const std::string only = argc > 1 ? argv[1] : "";
   const bool small = only == "--small";
   cudaDeviceProp p;
   CK(cudaGetDeviceProperties(&p, 0));
   std::printf("%s, %d SMs\n", p.name, p.multiProcessorCount);
-  if (only == "--gdn") {
-    gdn_cases(true);
+  auto done = [] {
     std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
     return failures ? 1 : 0;
-  }
-
-  // every weight format, ragged M, N not a multiple of the tile, K with a half k-tile left, accumulate
-  struct Format {
-    int bits, wdt, sdt, group;
   };
-  for (const Format f : {Format{4, kBF16, kBF16, 64}, Format{4, kBF16, kF32, 32}, Format{4, kBF16, kF16, 64},
-                         Format{8, kBF16, kBF16, 64}, Format{8, kBF16, kF32, 32}, Format{0, kBF16, kBF16, 0},
-                         Format{0, kF16, kBF16, 0}, Format{0, kF32, kBF16, 0}})
-    for (int M : {1, 7, 65, 513}) {
-      dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false);
-      dense_case(M, 200, 96, f.bits, f.wdt, f.sdt, f.group, false, false, true);
-    }
-  dense_case(63, 328, 160, 4, kBF16, kBF16, 32, true, false);
-  dense_case(130, 256, 2048, 8, kBF16, kBF16, 64, true, false);
-  grouped_case(40, 16, 4, 64, 128, true, false);  // the tiny model's experts
-  grouped_case(40, 16, 4, 64, 128, true, false, true);
-  grouped_case(40, 16, 4, 128, 64, false, false);
+  if (only == "--gdn") {
+    gdn_cases(true);
+    return done();
+  }
+  if (only == "--experts" || only == "--experts-once") {
+    experts_at(2048, only == "--experts");
+    return done();
+  }
+  small_gemms();
+  if (only == "--gemm") {
+    model_gemms();
+    return done();
+  }
   attention_case<64>(40, 3, 4, 2, false);  // the tiny models' geometries (incl. a group of 3)
   attention_case<128>(100, 17, 8, 2, false);
   attention_case<128>(77, 30, 6, 2, false);
   attention_case<32>(33, 0, 2, 2, false);
   attention_case<256>(65, 100, 16, 2, false);
   gdn_cases(!small);
-  if (!small) model_shapes();
-  std::printf(failures ? "%d FAILED\n" : "all passed\n", failures);
-  return failures ? 1 : 0;
+  if (!small) {
+    model_gemms();
+    model_attention();
+  }
+  return done();
 }
