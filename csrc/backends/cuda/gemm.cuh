@@ -77,14 +77,16 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // ---------------------------------------------------------------- weight chunks
 
-// The weight formats, one kernel instantiation each (each holds only the registers its raw chunk needs).
-enum WeightFormat : int { kWQ4, kWQ8, kWBF16, kWF16, kWF32 };
+// The weight formats, one kernel instantiation each (each holds only the registers its raw chunk needs); kWQ4BF16
+// is kWQ4 with bf16 scales and biases (the MLX checkpoints'), dequantised without int-to-float conversions.
+enum WeightFormat : int { kWQ4, kWQ4BF16, kWQ8, kWBF16, kWF16, kWF32 };
 
 // 32 columns of one weight row as loaded (raw bytes, scale and bias of their group).
 template <int F>
 struct WeightChunk {
-  static constexpr int kVecs = F == kWQ4 ? 1 : F == kWQ8 ? 2 : F == kWF32 ? 8 : 4;  // 16-byte vectors
-  static constexpr bool kQuantised = F == kWQ4 || F == kWQ8;
+  static constexpr bool kQ4 = F == kWQ4 || F == kWQ4BF16;
+  static constexpr int kVecs = kQ4 ? 1 : F == kWQ8 ? 2 : F == kWF32 ? 8 : 4;  // 16-byte vectors
+  static constexpr bool kQuantised = kQ4 || F == kWQ8;
   uint4 q[kVecs];
   float scale, bias;
 };
@@ -96,15 +98,41 @@ __device__ __forceinline__ void load_scale(const LinDev& W, const uint8_t* s, co
                                            float& scale, float& bias) {
   if constexpr (WeightChunk<F>::kQuantised) {
     const uint64_t s_off = uint64_t(e) * W.s_expert + uint64_t(n) * W.s_row;
-    const int g = group_of(W, c);
-    scale = load_param(s + s_off, W.sdt, g);
-    bias = load_param(b + s_off, W.sdt, g);
+    const int g = group_of(W, c), dt = F == kWQ4BF16 ? int(kBF16) : W.sdt;  // (a known dtype: no branches)
+    scale = load_param(s + s_off, dt, g);
+    bias = load_param(b + s_off, dt, g);
   }
 }
 
-// The chunk as 32 bf16 (scale · q + bias in fp32, rounded once) into dst (16-byte aligned); zeros when !valid.
+// One word's 8 4-bit codes (column c at bits 4c) as bf16 pairs scale · q + bias, scale and bias bf16, with no
+// int-to-float conversion (a quarter-rate instruction, one a weight otherwise): code q with the bits 0x4300 is
+// the bf16 128 + q, 128 comes off exactly, and one bf16x2 fma rounds scale · q + bias once. A mask takes codes
+// i and i + 4 into one pair; byte permutes restore the columns' order.
+__device__ __forceinline__ uint4 dequant_q4_bf16(uint32_t word, __nv_bfloat162 scale, __nv_bfloat162 bias) {
+  const __nv_bfloat162 k128 = __float2bfloat162_rn(128.f);
+  uint32_t v[4];  // codes (i, i + 4)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t biased;  // (word >> 4i) & 0x000F000F | 0x43004300 as one lop3 (the compiler emits two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(biased) : "r"(word >> (4 * i)), "r"(0x000F000Fu), "r"(0x43004300u));
+    const __nv_bfloat162 r = __hfma2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased), k128), scale, bias);
+    v[i] = *reinterpret_cast<const uint32_t*>(&r);
+  }
+  return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410),   // codes 0 1, 2 3
+                    __byte_perm(v[0], v[1], 0x7632), __byte_perm(v[2], v[3], 0x7632));  // 4 5, 6 7
+}
+
+// The chunk as 32 bf16 (scale · q + bias, rounded once to bf16) into dst (16-byte aligned); zeros when !valid.
 template <int F>
 __device__ __forceinline__ void store_chunk(const WeightChunk<F>& w, bool valid, __nv_bfloat16* dst) {
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  if constexpr (F == kWQ4BF16) {  // a word at a time: 8 columns, one 16-byte store
+    const __nv_bfloat162 scale = __float2bfloat162_rn(w.scale), bias = __float2bfloat162_rn(w.bias);
+    const uint32_t words[4] = {w.q[0].x, w.q[0].y, w.q[0].z, w.q[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] = valid ? dequant_q4_bf16(words[i], scale, bias) : make_uint4(0, 0, 0, 0);
+    return;
+  }
   uint32_t out[16];
   if constexpr (F == kWBF16) {
 #pragma unroll
@@ -132,7 +160,6 @@ __device__ __forceinline__ void store_chunk(const WeightChunk<F>& w, bool valid,
       for (int i = 0; i < 16; ++i) out[i] = pack_bf16(__uint_as_float(words[2 * i]), __uint_as_float(words[2 * i + 1]));
     }
   }
-  uint4* d = reinterpret_cast<uint4*>(dst);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     d[i] = valid ? make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]) : make_uint4(0, 0, 0, 0);
@@ -188,28 +215,40 @@ struct GemmSmem {
   static constexpr int kRaw = kGemmStages * BN * kRawRow;
   static constexpr int kX = kGemmStages * BM * kGemmPitch * 2;
   static constexpr int kW = 2 * BN * kGemmPitch * 2;
-  static constexpr int kBytes = kRaw + kX + kW + BM * 8;
+  static constexpr int kBytes = kRaw + kX + kW + BM * int(sizeof(int));  // + the tile rows' offsets in xh
 };
 
 // The grouped product's tiles are numbered expert by expert (ceil(counts[e] / BM) each); warp 0 finds which
-// expert and which of its row tiles block `tile` is (expert -1: past the last tile).
+// expert and which of its row tiles block `tile` is (expert -1: past the last tile). Lane l takes groups
+// 8l … 8l + 7 of each 256, all eight loads in flight at once: a block's start waits on one round trip to L2 for
+// the model's 256 experts, not on one a 32 of them.
 template <int BM>
 __device__ __forceinline__ void find_group_tile(const int* counts, int groups, int tile, int* e_out, int* m0_out) {
+  constexpr int kPerLane = 8;
   const int lane = threadIdx.x & 31;
   if (lane == 0) *e_out = -1;
   __syncwarp();
   int carry = 0;
-  for (int b0 = 0; b0 < groups; b0 += 32) {
-    const int i = b0 + lane;
-    const int c = i < groups ? (counts[i] + BM - 1) / BM : 0;
-    int incl = c;
+  for (int b0 = 0; b0 < groups; b0 += 32 * kPerLane) {
+    const int g0 = b0 + kPerLane * lane;
+    int c[kPerLane], sum = 0;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) c[j] = g0 + j < groups ? (counts[g0 + j] + BM - 1) / BM : 0;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) sum += c[j];
+    int incl = sum;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int v = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= o) incl += v;
     }
-    const int first = carry + incl - c;
-    if (tile >= first && tile < first + c) *e_out = i, *m0_out = (tile - first) * BM;
+    int first = carry + incl - sum;  // the tiles before this lane's groups
+    if (tile >= first && tile < first + sum)
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        if (tile >= first && tile < first + c[j]) *e_out = g0 + j, *m0_out = (tile - first) * BM;
+        first += c[j];
+      }
     carry += __shfl_sync(0xffffffffu, incl, 31);
     if (carry > tile) break;
   }
@@ -249,7 +288,7 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
   uint8_t* raw = smem;                                                        // [S][BN][kRawRow]
   __nv_bfloat16* Xs = reinterpret_cast<__nv_bfloat16*>(smem + Smem::kRaw);  // [S][BM][pitch]
   __nv_bfloat16* Ws = Xs + S * BM * kGemmPitch;                              // [2][BN][pitch]
-  int64_t* xrow = reinterpret_cast<int64_t*>(Ws + 2 * BN * kGemmPitch);     // xh offset of tile row r, -1: none
+  int* xrow = reinterpret_cast<int*>(Ws + 2 * BN * kGemmPitch);             // xh offset of tile row r, -1: none
   __shared__ int tile_e, tile_m0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -265,17 +304,18 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
   const bool swiglu = a.up.w != nullptr;
   for (int r = tid; r < BM; r += kGemmThreads) {
     const int p = base + m0 + r;
-    xrow[r] = m0 + r < count ? int64_t(a.in_rows ? a.in_rows[p] / a.in_div : p) * ldxh : -1;
+    xrow[r] = m0 + r < count ? (a.in_rows ? a.in_rows[p] / a.in_div : p) * ldxh : -1;  // (< 2^31: gemm_x_bf16)
   }
   __syncthreads();
 
   const int ktiles = (K + kGemmTileK - 1) / kGemmTileK;
   const uint64_t wexpert = uint64_t(e) * a.W.w_expert;
-  // k-tile kt's raw weights and activations into stage kt % S (zeros past N, K and the group's rows); always
-  // one commit group, empty past the last tile, so that wait_group counts tiles
-  auto copy = [&](int kt) {
+  // k-tile kt's raw weights and activations into stage st = kt % S (zeros past N, K and the group's rows); always
+  // one commit group, empty past the last tile, so that wait_group counts tiles. (The stages come from counters
+  // the loop carries: kt % 3 is a multiply-high and two more instructions at every use.)
+  auto copy = [&](int kt, int st) {
     if (kt < ktiles) {
-      uint8_t* rs = raw + (kt % S) * BN * kRawRow;
+      uint8_t* rs = raw + st * BN * kRawRow;
 #pragma unroll
       for (int j = 0; j < (kRawVecs + kGemmThreads - 1) / kGemmThreads; ++j) {
         const int i = tid + kGemmThreads * j;
@@ -289,11 +329,11 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
           cp_async16(rs + r * kRawRow + v * 16, src, ok ? 16 : 0);
         }
       }
-      __nv_bfloat16* xs = Xs + (kt % S) * BM * kGemmPitch;
+      __nv_bfloat16* xs = Xs + st * BM * kGemmPitch;
 #pragma unroll
       for (int j = 0; j < kXVecs / kGemmThreads; ++j) {
         const int i = tid + kGemmThreads * j, r = i >> 3, col = kt * kGemmTileK + (i & 7) * 8;
-        const int64_t off = xrow[r];
+        const int off = xrow[r];
         const bool ok = off >= 0 && col < K;
         cp_async16(xs + r * kGemmPitch + (i & 7) * 8, ok ? xh + off + col : xh, ok ? 16 : 0);
       }
@@ -312,8 +352,8 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
                       scale[j], bias[j]);
     }
   };
-  auto dequantise = [&](int kt) {  // stage kt % S → Ws[kt & 1]
-    const uint8_t* rs = raw + (kt % S) * BN * kRawRow;
+  auto dequantise = [&](int kt, int st) {  // stage st = kt % S → Ws[kt & 1]
+    const uint8_t* rs = raw + st * BN * kRawRow;
 #pragma unroll
     for (int j = 0; j < kWChunks; ++j) {
       const int r = wr + 128 * j;
@@ -339,9 +379,9 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
   // (the second n8 tile of a pair), k half (lane / 8) % 2
   const int a_row = wn * (BN / 4) + (lane & 15), a_col = (lane >> 4) * 8;
   const int b_row = wm * (BM / 2) + (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
-  auto mma_tile = [&](int kt) {
+  auto mma_tile = [&](int kt, int st) {
     const __nv_bfloat16* Wb = Ws + (kt & 1) * BN * kGemmPitch;
-    const __nv_bfloat16* Xb = Xs + (kt % S) * BM * kGemmPitch;
+    const __nv_bfloat16* Xb = Xs + st * BM * kGemmPitch;
 #pragma unroll
     for (int kk = 0; kk < kGemmTileK; kk += 16) {
       uint32_t af[MT][4];
@@ -363,21 +403,23 @@ __global__ void __launch_bounds__(kGemmThreads, BM == 32 ? 3 : 2)
   // Iteration kt: tile kt + 1 has landed (wait_group leaves the S - 3 later ones in flight) and the barrier
   // shows every thread's copies; it also ends iteration kt - 1, so stage (kt - 1) % S (dequantised in kt - 2,
   // multiplied in kt - 1) and Ws[(kt + 1) & 1] (multiplied in kt - 1) are free again.
-  for (int kt = 0; kt < S - 1; ++kt) copy(kt);
+  static_assert(S == 3, "the stage counters: this, the next and the one before (the one copied into)");
+  for (int kt = 0; kt < S - 1; ++kt) copy(kt, kt);
   load_scales(0);
   cp_async_wait<S - 2>();
   __syncthreads();
-  dequantise(0);
+  dequantise(0, 0);
   load_scales(1);
-  for (int kt = 0; kt < ktiles; ++kt) {
+  for (int kt = 0, st = 0, next = 1, prev = 2; kt < ktiles; ++kt) {
     cp_async_wait<S - 3>();
     __syncthreads();
-    copy(kt + S - 1);
+    copy(kt + S - 1, prev);
     if (kt + 1 < ktiles) {
-      dequantise(kt + 1);
+      dequantise(kt + 1, next);
       load_scales(kt + 2);
     }
-    mma_tile(kt);
+    mma_tile(kt, st);
+    prev = st, st = next, next = next == S - 1 ? 0 : next + 1;
   }
 
   // Rows g and g + 8 of each m16 tile are two outputs, or a SwiGLU output's gate and up (gemm_tile_row).
@@ -480,6 +522,9 @@ inline void gemm_x_bf16(const GemmArgs& a, GemmScratch x, cudaStream_t stream) {
 // The product with tile t (one of kGemmTiles) from X's rows as gemm_x_bf16 left them in the scratch.
 inline void gemm_launch(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream_t stream) {
   const int ldxh = gemm_ldxh(a.W.cols);
+  if (gemm_x_bf16_elems(gemm_x_rows(a), a.W.cols) > size_t(INT32_MAX))  // the blocks keep row offsets as int
+    throw std::invalid_argument("[cuda] GEMM: " + std::to_string(gemm_x_rows(a)) + " rows of " +
+                                std::to_string(a.W.cols) + " columns: more than 2^31 activations");
   // a SwiGLU product's two matrices are read with W's strides and format
   const LinDev &w = a.W, &u = a.up;
   if (u.w && (a.accumulate || u.bits != w.bits || u.wdt != w.wdt || u.sdt != w.sdt || u.group != w.group ||
@@ -490,7 +535,8 @@ inline void gemm_launch(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream
                                 std::to_string(a.W.bits) + " bits against " + std::to_string(a.up.rows) + " x " +
                                 std::to_string(a.up.cols) + ", " + std::to_string(a.up.bits) +
                                 " bits), or accumulates");
-  if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, t, x.xh, ldxh, stream);
+  if (a.W.bits == 4 && a.W.sdt == kBF16) launch_gemm_format<kWQ4BF16>(a, t, x.xh, ldxh, stream);
+  else if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, t, x.xh, ldxh, stream);
   else if (a.W.bits == 8) launch_gemm_format<kWQ8>(a, t, x.xh, ldxh, stream);
   else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, t, x.xh, ldxh, stream);
   else if (a.W.wdt == kF16) launch_gemm_format<kWF16>(a, t, x.xh, ldxh, stream);
