@@ -193,16 +193,30 @@ struct Experts {
   }
 };
 
-void make_experts(Experts& x, int H, int I, int Is, int E, int K) {
+// The experts' and the router's formats: the MLX 4-bit checkpoint's by default (4-bit experts, an 8-bit router
+// and shared gate, bf16 scales; moe_decode_kernel built for them alone), else any (AnyWeights): bits 0 is dense
+// weights of dtype sdt.
+struct ExpertsFormat {
+  int bits = 4, router_bits = 8, sdt = kBF16;
+  std::string name() const {
+    if (!bits) return sdt == kF32 ? " f32" : sdt == kF16 ? " f16" : " bf16";
+    if (bits == 4 && router_bits == 8 && sdt == kBF16) return "";
+    return " q" + std::to_string(bits) + "/q" + std::to_string(router_bits) +
+           (sdt == kF32 ? " f32s" : sdt == kF16 ? " f16s" : " bf16s");
+  }
+};
+
+void make_experts(Experts& x, int H, int I, int Is, int E, int K, ExpertsFormat f = {}) {
   x.H = H, x.I = I, x.Is = Is, x.E = E, x.K = K;
-  make_weights(x.gate, E, I, H, 4, kBF16, kBF16, 64);
-  make_weights(x.up, E, I, H, 4, kBF16, kBF16, 64);
-  make_weights(x.down, E, H, I, 4, kBF16, kBF16, 64);
-  make_weights(x.sgate, 1, Is, H, 4, kBF16, kBF16, 64);
-  make_weights(x.sup, 1, Is, H, 4, kBF16, kBF16, 64);
-  make_weights(x.sdown, 1, H, Is, 4, kBF16, kBF16, 64);
-  make_weights(x.router, 1, E, H, 8, kBF16, kBF16, 64);  // the MLX checkpoints' 8-bit router and shared gate
-  make_weights(x.shared_router, 1, 1, H, 8, kBF16, kBF16, 64);
+  const int wdt = f.bits ? kBF16 : f.sdt, rb = f.bits ? f.router_bits : 0;
+  make_weights(x.gate, E, I, H, f.bits, wdt, f.sdt, 64);
+  make_weights(x.up, E, I, H, f.bits, wdt, f.sdt, 64);
+  make_weights(x.down, E, H, I, f.bits, wdt, f.sdt, 64);
+  make_weights(x.sgate, 1, Is, H, f.bits, wdt, f.sdt, 64);
+  make_weights(x.sup, 1, Is, H, f.bits, wdt, f.sdt, 64);
+  make_weights(x.sdown, 1, H, Is, f.bits, wdt, f.sdt, 64);
+  make_weights(x.router, 1, E, H, rb, wdt, f.sdt, 64);
+  make_weights(x.shared_router, 1, 1, H, rb, wdt, f.sdt, 64);
 }
 
 // xn: gate/up's input row (unfused) — or, with the route fused in, x (the residual, which down also updates)
@@ -218,7 +232,7 @@ struct MoeBuffers {
 void launch_experts(const MoeDecode& md, const MoeBuffers& b, int H) {
   const MoeGrid g = moe_decode_grid(md, H, slots, sms);
   const bool fused = md.route_tiles() > 0;
-  launch(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks, kDecodeThreads, g.smem,
+  launch(moe_decode_kernel_for(H, moe_mlx4(md)), g.blocks, kDecodeThreads, g.smem,
          md, (const float*)(fused ? b.x : b.xn), b.x, H, fused ? b.norm : nullptr, 1e-6f, b.router, b.sg, b.count,
          b.ids, b.w, b.h, g.stages, md.gate_up_stage_bytes(), g.ring_bytes, g.down_rows);
 }
@@ -227,11 +241,11 @@ float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 // The route (top-k, ties to the lower id; softmax weights over the K), h of every slot and the residual
 // update, each against the reference decoding of the same weights.
-void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused) {
+void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused, ExpertsFormat f = {}) {
   const std::string shape = "H " + std::to_string(H) + " I " + std::to_string(I) + " Is " + std::to_string(Is) +
-                            " E " + std::to_string(E) + " K " + std::to_string(K) + (fused ? " route" : "");
+                            " E " + std::to_string(E) + " K " + std::to_string(K) + (fused ? " route" : "") + f.name();
   Experts ex;
-  make_experts(ex, H, I, Is, E, K);
+  make_experts(ex, H, I, Is, E, K, f);
   ex.fused = fused;
   const MoeDecode md = ex.plan();
   const int ldh = md.ldh;
@@ -724,7 +738,8 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CK(allow_decode_smem());
   CK(allow_attention_decode_smem());
-  if (!moe_decode_fits(moe_decode_kernel<2>, slots, sms)) {
+  if (!moe_decode_fits(moe_decode_kernel_for(2048, true), slots, sms) ||
+      !moe_decode_fits(moe_decode_kernel_for(2048, false), slots, sms)) {
     std::printf("the experts' kernel: %d blocks do not fit at once: FAIL\n", slots);
     return 1;
   }
@@ -753,6 +768,11 @@ int main(int argc, char** argv) {
   for (const bool fused : {false, true}) {
     experts_case(64, 64, 128, 8, 2, false, fused);
     experts_case(256, 64, 64, 32, 8, false, fused);
+    // the kernel for any format: dense bf16 (the HF checkpoint's), 8-bit experts with f32 scales, 4-bit with a
+    // 4-bit router
+    experts_case(64, 64, 128, 8, 2, false, fused, {0, 0, kBF16});
+    experts_case(256, 64, 64, 32, 8, false, fused, {8, 8, kF32});
+    experts_case(256, 64, 64, 32, 8, false, fused, {4, 4, kBF16});
   }
   argmax_case(2112);
   // attention: G = 2 with rot/2 < 32 lanes; G = 8 at d 32 (a lane a dimension); positions in the first block,

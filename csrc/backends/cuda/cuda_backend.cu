@@ -81,8 +81,8 @@ class CudaBackend final : public gpu::GpuBackend {
     slots_ = decode_slots(sms_, per_sm && *per_sm ? std::atoi(per_sm) : kDecodeBlocksPerSm);
     CK(allow_decode_smem());
     CK(allow_attention_decode_smem());
-    const auto experts = by_cols(c_.hidden, [](auto U) { return moe_decode_kernel<decltype(U)::value>; });
-    if (!moe_decode_fits(experts, slots_, sms_))
+    if (!moe_decode_fits(moe_decode_kernel_for(c_.hidden, true), slots_, sms_) ||
+        !moe_decode_fits(moe_decode_kernel_for(c_.hidden, false), slots_, sms_))
       throw std::runtime_error("[cuda] the experts' decode kernel: " + std::to_string(slots_) +
                                " blocks do not fit this GPU at once (LILY_CUDA_DECODE_BLOCKS_PER_SM=1: one an SM)");
     decode_order_ = &DecodeOrder::of(device_id);
@@ -398,10 +398,10 @@ class CudaBackend final : public gpu::GpuBackend {
     route_layer_ = -1;
     if (route) md.router = lin(M.router), md.shared_router = lin(M.shared_gate);
     const MoeGrid g = moe_decode_grid(md, H, slots_, sms_);
-    launch_dependent(by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value>; }), g.blocks,
-                     kDecodeThreads, g.smem, md, act(route ? Act::x : Act::xn), act(Act::x), H,
-                     route ? route_norm_ : nullptr, c_.rms_eps, router_, shared_logit_, moe_counts_, route_ids_,
-                     route_w_, hbuf_, g.stages, md.gate_up_stage_bytes(), g.ring_bytes, g.down_rows);
+    launch_dependent(moe_decode_kernel_for(H, moe_mlx4(md)), g.blocks, kDecodeThreads, g.smem, md,
+                     act(route ? Act::x : Act::xn), act(Act::x), H, route ? route_norm_ : nullptr, c_.rms_eps, router_,
+                     shared_logit_, moe_counts_, route_ids_, route_w_, hbuf_, g.stages, md.gate_up_stage_bytes(),
+                     g.ring_bytes, g.down_rows);
   }
 
  private:

@@ -366,17 +366,20 @@ struct SmemTile {
 // Σ code·x + bias · Σ x. The even and odd columns are summed apart (two chains, not one of sixteen dp2a); 4-bit
 // odd columns' codes stay in their high nibbles (w & 0xf0f0f0f0, 16× the code: no shift), so that sum is
 // 16× and the two fold as 16·even + odd (|·| < 2^28: exact in int32) against scale / 16.
-// Fmt: the format known at compile time (Q4BF16, the MLX checkpoints' own: a branch-free chunk) or read from W
-// (AnyFmt).
+// Fmt: the format known at compile time (QBF16<bits>, the MLX checkpoints' own: a branch-free chunk) or read
+// from W (AnyFmt).
 struct AnyFmt {
   __device__ static int bits(const LinDev& W) { return W.bits; }
   __device__ static int sdt(const LinDev& W) { return W.sdt; }
 };
-struct Q4BF16 {
-  __device__ static constexpr int bits(const LinDev&) { return 4; }
+template <int Bits>
+struct QBF16 {
+  __device__ static constexpr int bits(const LinDev&) { return Bits; }
   __device__ static constexpr int sdt(const LinDev&) { return kBF16; }
-  __device__ static bool holds(const LinDev& W) { return W.bits == 4 && W.sdt == kBF16; }
+  __host__ __device__ static bool holds(const LinDev& W) { return W.bits == Bits && W.sdt == kBF16; }
 };
+using Q4BF16 = QBF16<4>;  // the MLX 4-bit checkpoint's matrices but two (qwen36-spec)
+using Q8BF16 = QBF16<8>;  // those two: the router and the shared expert's gate
 template <class Fmt = AnyFmt>
 __device__ __forceinline__ float chunk_dot(const LinDev& W, const TileRow& R, int c0, const QChunk& x) {
   const int g = group_of(W, c0);
@@ -417,6 +420,28 @@ __device__ __forceinline__ float dense_chunk_dot(const LinDev& W, const TileRow&
     for (int i = 0; i < 8; ++i) acc = fmaf(w[i], v[i], acc);
   }
   return acc;
+}
+
+// The weight formats a decode kernel is compiled for, a template argument per role (the experts', the
+// router's): one format (Q4BF16, Q8BF16), whose kernel holds that format's dot products alone, or AnyWeights,
+// every format the loader accepts, each matrix's taken at run time. The experts' kernel on the MLX 4-bit
+// checkpoint is built for its formats: 10,032 instructions (U = 2) against 17,544 for every format. A third of
+// its stalls were instruction fetches (docs/performance.md, 2026-12-06 night), but a decode step measured the
+// same with either (2026-12-07 night): its code's size is not what holds it back. The GEMV built the same way
+// was slower, and is not (gemv_kernel).
+struct AnyWeights {
+  __host__ __device__ static bool holds(const LinDev&) { return true; }
+};
+struct DenseFmt {};  // f32, bf16 or f16 weights (dense_chunk_dot)
+
+// f(fmt): W's dot products in the format Weights fixes or, for AnyWeights, in W's own: q4 with bf16 scales
+// branch-free, the other quantised formats read from W (AnyFmt), or dense.
+template <class Weights, class F>
+__device__ __forceinline__ void with_format(const LinDev& W, F&& f) {
+  if constexpr (!std::is_same_v<Weights, AnyWeights>) f(Weights{});
+  else if (Q4BF16::holds(W)) f(Q4BF16{});
+  else if (W.bits) f(AnyFmt{});
+  else f(DenseFmt{});
 }
 
 // ---------------------------------------------------------------- a decode block's input row
@@ -508,7 +533,7 @@ struct LaneX {
 
 // Rows r[k] (k < R) of the tile of n rows of W at `tile` · x over the lane's columns (not yet summed over the
 // warp), the rows' loads issued together: a warp's rows of a tile as independent chains.
-template <int U, int R>
+template <class Weights, int U, int R>
 __device__ __forceinline__ void tile_rows_dot(const LinDev& W, const uint8_t* tile, int n, const int (&r)[R],
                                               const LaneX<U>& x, float (&acc)[R]) {
   const int lane = threadIdx.x & 31;
@@ -516,38 +541,28 @@ __device__ __forceinline__ void tile_rows_dot(const LinDev& W, const uint8_t* ti
   TileRow rows[R];
 #pragma unroll
   for (int k = 0; k < R; ++k) rows[k] = T.row(r[k]), acc[k] = 0.f;
-  auto quantised = [&](auto fmt) {
+  with_format<Weights>(W, [&](auto fmt) {
+    using Fmt = decltype(fmt);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c0 = lane * 32 + 1024 * u;
-      if (c0 < W.cols)
+      if (c0 >= W.cols) continue;
+      if constexpr (std::is_same_v<Fmt, DenseFmt>) {
+        auto x8 = [&](int k, float (&v)[8]) {
+          const float4* p = reinterpret_cast<const float4*>(x.xs + padded(c0 + k));
+          const float4 a = p[0], b = p[1];
+          v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        };
+#pragma unroll
+        for (int k = 0; k < R; ++k) acc[k] += dense_chunk_dot(W, rows[k], c0, x8);
+      } else {
         x.with(u, c0, [&](const QChunk& q) {
 #pragma unroll
-          for (int k = 0; k < R; ++k) acc[k] += chunk_dot<decltype(fmt)>(W, rows[k], c0, q);
+          for (int k = 0; k < R; ++k) acc[k] += chunk_dot<Fmt>(W, rows[k], c0, q);
         });
+      }
     }
-  };
-  if (Q4BF16::holds(W)) {
-    quantised(Q4BF16{});
-    return;
-  }
-  if (W.bits) {
-    quantised(AnyFmt{});
-    return;
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c0 = lane * 32 + 1024 * u;
-    if (c0 < W.cols) {
-      auto x8 = [&](int k, float (&v)[8]) {
-        const float4* p = reinterpret_cast<const float4*>(x.xs + padded(c0 + k));
-        const float4 a = p[0], b = p[1];
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-      };
-#pragma unroll
-      for (int k = 0; k < R; ++k) acc[k] += dense_chunk_dot(W, rows[k], c0, x8);
-    }
-  }
+  });
 }
 
 // The thread that issues a block's bulk copies: the last, whose warp stages no chunk of a row of up to 7,168
@@ -601,7 +616,8 @@ __device__ __forceinline__ void with_job(const GemvJobs& jobs, int j, F&& f) {
 // out_j ← W_j · RMSNorm(x)·norm (or · x when norm is null), rows of at most 1,024·U columns; `xn_out`, when
 // given, receives the staged row (block 0), for the ops after a fused norm that read xn. Shared memory:
 // [stages · stage_bytes] tiles, then the staged row (gemv_row_bytes). Each warp takes the tile's rows warp,
-// warp + 8, ….
+// warp + 8, …. Built for any format: the one built for q4 with bf16 scales alone, half the code, made a decode
+// step ~20 µs slower on an H200 (docs/performance.md, 2026-12-07 night).
 template <int U>
 __global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(const __grid_constant__ GemvJobs jobs, const float* x, int cols,
                                                                   const float* norm, float eps, float* xn_out,
@@ -657,12 +673,12 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) gemv_kernel(const __grid_co
       // registers for two)
       if (U <= 2 && n == 2 * kDecodeWarps) {
         float v[2];
-        tile_rows_dot<U, 2>(W, ring.stage(i), n, {warp, warp + kDecodeWarps}, xl, v);
+        tile_rows_dot<AnyWeights, U, 2>(W, ring.stage(i), n, {warp, warp + kDecodeWarps}, xl, v);
         store(warp, v[0]), store(warp + kDecodeWarps, v[1]);
       } else {
         for (int r = warp; r < n; r += kDecodeWarps) {
           float v[1];
-          tile_rows_dot<U, 1>(W, ring.stage(i), n, {r}, xl, v);
+          tile_rows_dot<AnyWeights, U, 1>(W, ring.stage(i), n, {r}, xl, v);
           store(r, v[0]);
         }
       }
@@ -1145,7 +1161,8 @@ struct MoeTracer {
 };
 #endif
 
-// Rows [r0, r0 + n) of a down tile (at `tile`) · the staged h, weighted, added into x.
+// Rows [r0, r0 + n) of a down tile (at `tile`) · the staged h, weighted, added into x (Experts: its format).
+template <class Experts>
 __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t* tile, uint32_t slot_bytes, int r0,
                                               int n, const float* hs, const float* ws, float shared_w,
                                               float (&partial)[kDecodeWarps][kDownTileRows], float* x,
@@ -1165,24 +1182,22 @@ __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t*
     QChunk hq;
     hq.quantise(hv);
     const float wj = j < K ? ws[j] : shared_w;
-    auto walk = [&](auto&& dot) {  // the tile's rows, the format's branch taken once a pair
+    with_format<Experts>(D, [&](auto fmt) {  // the tile's rows, the format's branch taken once a pair
+      using Fmt = decltype(fmt);
 #pragma unroll
       for (int r = 0; r < kDownTileRows; ++r) {
         if (r >= n) break;
-        acc[r] = fmaf(wj, dot(T.row(r)), acc[r]);
-      }
-    };
-    if (Q4BF16::holds(D))
-      walk([&](const TileRow& row) { return chunk_dot<Q4BF16>(D, row, c0, hq); });
-    else if (D.bits)
-      walk([&](const TileRow& row) { return chunk_dot(D, row, c0, hq); });
-    else
-      walk([&](const TileRow& row) {
-        return dense_chunk_dot(D, row, c0, [&](int k, float (&v)[8]) {
+        float d;
+        if constexpr (std::is_same_v<Fmt, DenseFmt>)
+          d = dense_chunk_dot(D, T.row(r), c0, [&](int k, float (&v)[8]) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] = hv[k + i];
-        });
-      });
+            for (int i = 0; i < 8; ++i) v[i] = hv[k + i];
+          });
+        else
+          d = chunk_dot<Fmt>(D, T.row(r), c0, hq);
+        acc[r] = fmaf(wj, d, acc[r]);
+      }
+    });
   }
 #pragma unroll
   for (int r = 0; r < kDownTileRows; ++r) {
@@ -1204,8 +1219,9 @@ __device__ __forceinline__ void down_tile_dot(const MoeDecode& m, const uint8_t*
 // null). x: the residual the down projection adds into. logits / shared_logit: the router's and the shared
 // gate's, this kernel's output when the route is fused in, else its input. ids / weights: the route (block 0).
 // counts [kMoeCounts]: 0 between launches. Shared memory: [ring_bytes: the gate/up ring, then h][a down tile][the
-// staged row].
-template <int U>
+// staged row]. Experts, Router: the formats of the experts' matrices and of the router and shared gate
+// (moe_decode_kernel_for).
+template <int U, class Experts, class Router>
 __global__ void __launch_bounds__(kDecodeThreads, 2)
     moe_decode_kernel(MoeDecode m, const float* xin, float* x, int H, const float* norm, float eps, float* logits,
                       float* shared_logit, unsigned* counts, int32_t* ids, float* weights, float* h, int stages,
@@ -1317,7 +1333,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       with_route_tile(i, [&](const LinDev& W, float* out, int r0, int n) {
         for (int r = warp; r < n; r += kDecodeWarps) {
           float v[1];
-          tile_rows_dot<U, 1>(W, ring.stage(i), n, {r}, xl, v);
+          tile_rows_dot<Router, U, 1>(W, ring.stage(i), n, {r}, xl, v);
           v[0] = warp_sum(v[0]);
           if (lane == 0) out[r0 + r] = v[0];
         }
@@ -1333,8 +1349,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       with_tile(i, [&](const LinDev& Gw, const LinDev& Up, int, int slot, int r0, int n) {
         for (int r = warp; r < n; r += kDecodeWarps) {
           float g[1], u[1];
-          tile_rows_dot<U, 1>(Gw, ring.stage(i), n, {r}, xl, g);
-          tile_rows_dot<U, 1>(Up, ring.stage(i) + tile_bytes(Gw, n), n, {r}, xl, u);
+          tile_rows_dot<Experts, U, 1>(Gw, ring.stage(i), n, {r}, xl, g);
+          tile_rows_dot<Experts, U, 1>(Up, ring.stage(i) + tile_bytes(Gw, n), n, {r}, xl, u);
           g[0] = warp_sum(g[0]), u[0] = warp_sum(u[0]);
           if (lane == 0) h[slot * m.ldh + r0 + r] = siluf_(g[0]) * u[0];
         }
@@ -1367,8 +1383,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 2)
       mbar_wait(&down_full, k & 1);
       if (k == 0) stamp(MoeStamp::down_tile);
       const int r0 = (int(blockIdx.x) + k * G) * down_rows;
-      down_tile_dot(m, dtile, slot_bytes, r0, min(down_rows, m.down.rows - r0), hs, route_w, shared_w, partial, x,
-                    stamp);
+      down_tile_dot<Experts>(m, dtile, slot_bytes, r0, min(down_rows, m.down.rows - r0), hs, route_w, shared_w,
+                             partial, x, stamp);
       if (k + 1 < my_down && threadIdx.x == kIssuer) issue_down(k + 1);  // (down_tile_dot ends on a barrier)
     }
   }
@@ -1479,6 +1495,19 @@ auto by_cols(int cols, Make&& make) -> decltype(make(std::integral_constant<int,
   throw std::invalid_argument("[cuda] a decode row of " + std::to_string(cols) + " columns (at most 8192)");
 }
 
+// Whether the experts' matrices have the MLX 4-bit checkpoint's formats: Q4BF16, with a Q8BF16 router and shared
+// gate when the route is fused in.
+inline bool moe_mlx4(const MoeDecode& m) {
+  bool q4 = true;
+  for (const LinDev* W : {&m.gate, &m.up, &m.sgate, &m.sup, &m.down, &m.sdown}) q4 = q4 && Q4BF16::holds(*W);
+  return q4 && (!m.router.rows || (Q8BF16::holds(m.router) && Q8BF16::holds(m.shared_router)));
+}
+// The experts' kernel over rows of H columns, built for those formats (mlx4) or for any.
+inline auto moe_decode_kernel_for(int H, bool mlx4) {
+  return mlx4 ? by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value, Q4BF16, Q8BF16>; })
+              : by_cols(H, [](auto U) { return moe_decode_kernel<decltype(U)::value, AnyWeights, AnyWeights>; });
+}
+
 // ---------------------------------------------------------------- token selection
 
 // The first maximum of logits[V] into *token (greedy, no penalties), by a grid of blocks: each folds its share
@@ -1520,9 +1549,12 @@ inline cudaError_t allow_decode_smem() {
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kDecodeSmem));
   };
-  allow(gemv_kernel<1>), allow(gemv_kernel<2>), allow(gemv_kernel<4>), allow(gemv_kernel<8>);
-  allow(moe_decode_kernel<1>), allow(moe_decode_kernel<2>), allow(moe_decode_kernel<4>);
-  allow(moe_decode_kernel<8>);
+  auto allow_for = [&](auto U) {  // the kernels for rows of at most 1,024·U columns
+    constexpr int u = decltype(U)::value;
+    allow(gemv_kernel<u>);
+    allow(moe_decode_kernel<u, Q4BF16, Q8BF16>), allow(moe_decode_kernel<u, AnyWeights, AnyWeights>);
+  };
+  for (int cols : {1024, 2048, 4096, 8192}) by_cols(cols, allow_for);
   // a value head's step on up to kGdnStepMaxCluster (16) blocks: past the portable cluster size of 8
   for (auto kernel : {gdn_step_kernel<32>, gdn_step_kernel<64>, gdn_step_kernel<128>})
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
