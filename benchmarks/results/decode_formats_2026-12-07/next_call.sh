@@ -2,11 +2,12 @@
 # Prepared, not run (no device time was left): the chunk loads hoisted in the kernels built for one format,
 # against the tree. The night's A/B found the GEMV built for q4 alone 1.5% slower a step, and its machine code
 # waits on each 16-byte load of codes before the next (93 registers, one load in flight); the kernel for
-# every format holds 120 and keeps several loads in flight. hoist.patch loads a tile row's chunks of all the
-# lane's columns (rows of up to 2,048 columns) together, then takes their dot products, in the kernels built
-# for one format only (the experts' kernel on the MLX checkpoint; no spills, 113 registers); the kernels for
-# every format keep their machine code. hoist_gemv_q4.patch is the same with the GEMV built for q4
-# (gemv_q4.patch: 104 registers, no spills). From the tree's root, nothing carried:
+# every format holds 120 and keeps several loads in flight. The experts' down phase is the same: each of a tile's
+# rows waits for its loads before the next row's go out. hoist.patch, in the kernels built for one format only
+# (the experts' kernel on the MLX checkpoint; 113 registers, no spills): a tile row's chunks of all the lane's
+# columns (rows of up to 2,048 columns) loaded together, then their dot products; and the down tile's rows four
+# at a time. The kernels for every format keep their machine code. hoist_gemv_q4.patch is the same with the
+# GEMV built for q4 too (gemv_q4.patch; 104 registers, no spills). From the tree's root, nothing carried:
 #
 #   bash benchmarks/results/decode_formats_2026-12-07/next_call.sh
 #
