@@ -14,12 +14,15 @@
 #   OUT=$OUT bash benchmarks/cuda_ab.sh name=exp/change.patch [name2=exp/other.patch ...]
 #
 # ROUNDS (2); CONTEXTS (128,4096); LENGTHS (512,4096); WHAT ("step decode"). The copies go to /tmp/ab/<name>;
-# lily itself is built only for decode and prefill.
+# lily itself is built only for decode and prefill. Every line printed also goes to $OUT/ab_summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+# every line also into $OUT/ab_summary.txt: a device call returns only its output's tail, and an A/B of several
+# builds prints more than that (the night of 2026-12-07 lost a build's lines so)
+exec > >(tee -a "$OUT/ab_summary.txt") 2>&1
 WHAT=${WHAT:-step decode}
 has() { [[ " $WHAT " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
@@ -58,7 +61,7 @@ for n in "${NAMES[@]}"; do
         tail -5 "$OUT/ab_synth.log"
     fi) &
 done
-wait
+wait $(jobs -p)  # (the builds: a bare wait would also wait for the tee above, which waits for this script)
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for n in "${NAMES[@]}"; do
     if has step; then

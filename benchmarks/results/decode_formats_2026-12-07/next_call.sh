@@ -17,7 +17,7 @@ set -u
 D=benchmarks/results/decode_formats_2026-12-07
 mkdir -p "$OUT/ab"
 OUT=$OUT/ab WHAT="step decode" ROUNDS=2 CONTEXTS=4096 timeout 480 bash benchmarks/cuda_ab.sh \
-  hoist=$D/hoist.patch hoist_gemv=$D/hoist_gemv_q4.patch 2>&1 | tee "$OUT/ab.txt" | tail -16
+  hoist=$D/hoist.patch hoist_gemv=$D/hoist_gemv_q4.patch 2>&1 | tail -16  # (all of it: ab/ab_summary.txt)
 for n in hoist hoist_gemv; do
   timeout 60 /tmp/ab/$n/build/decode_kernels > "$OUT/ab/decode_kernels_$n.log" 2>&1
   echo "$n: $(grep -cE ' ok' "$OUT/ab/decode_kernels_$n.log") ok, $(grep -E 'passed|FAILED' "$OUT/ab/decode_kernels_$n.log")"
