@@ -429,9 +429,7 @@ __device__ __forceinline__ float dense_chunk_dot(const LinDev& W, const TileRow&
 // its stalls were instruction fetches (docs/performance.md, 2026-12-06 night), but a decode step measured the
 // same with either (2026-12-07 night): its code's size is not what holds it back. The GEMV built the same way
 // was slower, and is not (gemv_kernel).
-struct AnyWeights {
-  __host__ __device__ static bool holds(const LinDev&) { return true; }
-};
+struct AnyWeights {};
 struct DenseFmt {};  // f32, bf16 or f16 weights (dense_chunk_dot)
 
 // f(fmt): W's dot products in the format Weights fixes or, for AnyWeights, in W's own: q4 with bf16 scales
