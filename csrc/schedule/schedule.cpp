@@ -29,8 +29,12 @@ static void layer_stack(Backend& b, const Model& m, const Fusions& f, int T, int
     } else {
       norm_project(L.input_norm,
                    {{&L.gdn.qkv, Act::qkv}, {&L.gdn.z, Act::z}, {&L.gdn.b, Act::beta}, {&L.gdn.a, Act::alpha}});
-      if (decode && f.gdn_step) b.gdn_step(i); else b.gdn_scan(i, T);
-      b.project(Act::mix, Act::x, L.gdn.out, T, true);
+      if (decode && f.gdn_step && f.gdn_out) {
+        b.gdn_step_out(i, L.gdn.out);
+      } else {
+        if (decode && f.gdn_step) b.gdn_step(i); else b.gdn_scan(i, T);
+        b.project(Act::mix, Act::x, L.gdn.out, T, true);
+      }
     }
     if (decode && f.route) {
       b.moe_norm_route(i, L.post_norm);

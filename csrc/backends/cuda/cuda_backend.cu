@@ -87,6 +87,10 @@ class CudaBackend final : public gpu::GpuBackend {
                                " blocks do not fit this GPU at once (LILY_CUDA_DECODE_BLOCKS_PER_SM=1: one an SM)");
     decode_order_ = &DecodeOrder::of(device_id);
     upload_weights();
+    size_t slab = 0;
+    for (const LayerWeights& L : m_.layers)
+      if (L.gdn.out.w) slab = std::max(slab, gdn_out_slab_bytes(lin(L.gdn.out)));
+    gdn_out_fits_ = gdn_step_fits(c_.lin_dk, gdn_step_blocks(), gdn_step_cluster(c_.lin_dv), slab);
     const int K = c_.top_k, E = c_.experts, TK = max_rows * K, H = c_.hidden, I = c_.moe_inter;
     imax_ = std::max(I, c_.shared_inter);
     qbuf_ = scratch<float>(size_t(max_rows) * c_.n_q * c_.head_dim, "attn.q");
@@ -113,6 +117,8 @@ class CudaBackend final : public gpu::GpuBackend {
     xh_.xh = scratch<__nv_bfloat16>(xh_.elems, "gemm.x_bf16");
     argmax_slot_ = scratch<ArgmaxSlot>(1, "argmax");
     moe_counts_ = scratch<unsigned>(kMoeCounts, "moe.decode_counts");
+    gdn_out_shares_ = scratch<float>(size_t(gdn_step_blocks()) * H, "gdn.out_shares");
+    gdn_out_counts_ = scratch<unsigned>(2, "gdn.out_counts");
     pos_ = scratch_view(sizeof(int64_t), "pos", Role::io);
     pos_dev_ = device_ptr<int64_t>(pos_);
     sample_args_ = scratch_view(sizeof(SampleArgs), "sample.args", Role::io);
@@ -317,22 +323,38 @@ class CudaBackend final : public gpu::GpuBackend {
   }
 
   // One row: the conv and everything after it in one kernel, a cluster of blocks a value head (gdn_step_kernel).
-  void gdn_step(int layer) override {
+  void gdn_step(int layer) override { launch_gdn_step(layer, nullptr); }
+  // The same kernel with the out projection inside it, each block adding its columns' share into x (OutSlab).
+  // (Where they cannot all be resident at once, as their blocks wait on each other, the step and the GEMV.)
+  void gdn_step_out(int layer, const Linear& out) override {
+    if (gdn_out_fits_) launch_gdn_step(layer, &out);
+    else Backend::gdn_step_out(layer, out);
+  }
+
+  int gdn_step_blocks() const { return c_.lin_nv * gdn_step_cluster(c_.lin_dv); }
+  static size_t gdn_out_slab_bytes(const LinDev& W) {
+    return size_t(OutSlab::pass_rows(W, kGdnOutSlab)) * OutSlab::row_bytes(W);
+  }
+  void launch_gdn_step(int layer, const Linear* out) {
     const gpu::GdnStates st = gdn_states(layer);
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
-    auto step = [&](auto kernel) {
-      const int S = gdn_step_cluster(c_.lin_dv);
-      launch_dependent(Placement{S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv), f32(st.conv_in),
-                       f32(st.conv_out), vec(G.conv), act(Act::beta), act(Act::alpha), act(Act::z), f32(st.rec_in),
-                       f32(st.rec_out), vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
-                       c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps);
-    };
-    switch (c_.lin_dk) {
-      case 32: step(gdn_step_kernel<32>); break;
-      case 64: step(gdn_step_kernel<64>); break;
-      default: step(gdn_step_kernel<128>); break;
+    LinDev W;
+    int pass = 0;
+    if (out) {
+      W = lin(*out);
+      pass = OutSlab::pass_rows(W, kGdnOutSlab);
+      if (W.rows % 4 || W.cols != c_.lin_nv * c_.lin_dv || gdn_out_rows(W.rows, gdn_step_blocks()) > kGdnStepThreads)
+        throw std::logic_error("[cuda] gdn_step_out: " + out->name + " is [" + std::to_string(W.rows) + ", " +
+                               std::to_string(W.cols) + "] (rows a multiple of 4, at most " +
+                               std::to_string(kGdnStepThreads) + " a step block; the mix row's columns)");
     }
+    launch_dependent(Placement{gdn_step_cluster(c_.lin_dv)}, gdn_step_kernel_for(c_.lin_dk), gdn_step_blocks(),
+                     kGdnStepThreads, out ? gdn_out_slab_bytes(W) : 0, act(Act::qkv), f32(st.conv_in),
+                     f32(st.conv_out), vec(G.conv), act(Act::beta), act(Act::alpha), act(Act::z), f32(st.rec_in),
+                     f32(st.rec_out), vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
+                     c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps, W, pass, gdn_out_shares_,
+                     gdn_out_counts_, act(Act::x));
   }
 
   // The routing ops leave the router's logits; the op that consumes them takes the top-k (moe_prefill with a
@@ -431,8 +453,8 @@ class CudaBackend final : public gpu::GpuBackend {
     uint64_t launches;  // and their kernel launches (the counters' dispatches each replay)
   };
   static uint32_t fusion_bits(const Fusions& f) {
-    const bool bits[] = {f.norm_project, f.route, f.attn_prepare, f.gdn_step, f.expert_swiglu, f.expert_combine,
-                         f.dequant};
+    const bool bits[] = {f.norm_project, f.route, f.attn_prepare, f.gdn_step, f.gdn_out, f.expert_swiglu,
+                         f.expert_combine, f.dequant};
     uint32_t v = 0;
     for (size_t i = 0; i < sizeof bits; ++i) v |= uint32_t(bits[i]) << i;
     return v;
@@ -737,6 +759,9 @@ class CudaBackend final : public gpu::GpuBackend {
   };
   DecodeOrder* decode_order_ = nullptr;
   unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [kMoeCounts]
+  float* gdn_out_shares_ = nullptr;    // gdn_step_out's shares of the out projection [step blocks, H]
+  unsigned* gdn_out_counts_ = nullptr; // and its counts (0 between launches)
+  bool gdn_out_fits_ = false;          // gdn_step_fits for the out projections' slabs
   int route_layer_ = -1;               // the layer whose moe_decode takes the route (moe_norm_route)
   const float* route_norm_ = nullptr;  // and its post-attention norm
   View pos_;  // the bound state's position, written before each submission
