@@ -8,6 +8,8 @@ state copied before it is extended and snapshotted after, as Session does for un
 `lily bench` times, a whole generation of the tokens on a fork over its wall time.
 
     PYTHONPATH=<build>/src python3 benchmarks/cuda_ab.py --model /tmp/synth-full --tag A --contexts 128,4096
+
+--fusions names decode fusions to switch off, for an A/B of one build against itself.
 """
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ def main() -> None:
     ap.add_argument("--tag", required=True, help="the build's name in the output lines")
     ap.add_argument("--contexts", default="128,4096")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--fusions", default="", help="decode fusions switched off, comma-separated (gdn_out,route)")
     args = ap.parse_args()
-    e = lily.Engine.from_pretrained(args.model, backend="cuda")
+    off = {f: False for f in args.fusions.split(",") if f}
+    e = lily.Engine.from_pretrained(args.model, backend="cuda", fusions=off)
     rng = np.random.default_rng(7)  # the same prompts in every build
     for c in (int(x) for x in args.contexts.split(",")):
         ids = rng.integers(0, e.config.vocab_size, c).tolist()

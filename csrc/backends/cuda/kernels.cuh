@@ -807,17 +807,6 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
 
 // ---------------------------------------------------------------- Gated DeltaNet
 
-// Decode's step (Fusions::gdn_step): the causal conv + SiLU of the channels a value head reads (its key head's q
-// and k, its own v), the q/k l2-norm, the gates, the delta-rule update and the gated RMSNorm. A value head's
-// state S [d_k, d_v] is split by columns over a cluster of d_v / kGdnStepCols blocks: a block holds 32 columns
-// in registers, warp p rows [p·d_k/8, (p + 1)·d_k/8) of each (a warp's loads of a row are 128 contiguous bytes),
-// its partial dot products summed across warps in shared memory, and the gated norm's sum of squares across
-// the cluster through distributed shared memory. One block a head put a head's 64 KB of state through one SM
-// each way (32 SMs of the H200's 132); this split moves a quarter of that through each of 128, though no
-// end-to-end change was measurable from it alone (docs/performance.md). The states are read from one copy and
-// written to the other (conv_in/rec_in → conv_out/rec_out: the backend keeps two, so a step run ahead can be
-// undone), which also lets the blocks sharing a key head each convolve its q/k channels from the old conv state
-// while one of them writes the new one.
 // The layer's out projection inside the step (Fusions::gdn_out, CudaBackend::gdn_step_out). A step block holds
 // one 32-column chunk of the mix row, so it can take that chunk's share of out · mix for every output row: the
 // projection split over its input. Its weights, those 32 columns of every row (a slab), are copied into shared
@@ -898,6 +887,17 @@ constexpr uint32_t kGdnOutSlab = 64 * 1024;
 // The rows a step block sums over the shares: the projection's rows spread over the blocks, at most a thread each.
 __host__ __device__ constexpr int gdn_out_rows(int rows, int blocks) { return (rows + blocks - 1) / blocks; }
 
+// Decode's step (Fusions::gdn_step): the causal conv + SiLU of the channels a value head reads (its key head's q
+// and k, its own v), the q/k l2-norm, the gates, the delta-rule update and the gated RMSNorm. A value head's
+// state S [d_k, d_v] is split by columns over a cluster of d_v / kGdnStepCols blocks: a block holds 32 columns
+// in registers, warp p rows [p·d_k/8, (p + 1)·d_k/8) of each (a warp's loads of a row are 128 contiguous bytes),
+// its partial dot products summed across warps in shared memory, and the gated norm's sum of squares across
+// the cluster through distributed shared memory. One block a head put a head's 64 KB of state through one SM
+// each way (32 SMs of the H200's 132); this split moves a quarter of that through each of 128, though no
+// end-to-end change was measurable from it alone (docs/performance.md). The states are read from one copy and
+// written to the other (conv_in/rec_in → conv_out/rec_out: the backend keeps two, so a step run ahead can be
+// undone), which also lets the blocks sharing a key head each convolve its q/k channels from the old conv state
+// while one of them writes the new one.
 constexpr int kGdnStepCols = 32;                            // state columns a block: a warp's lanes
 constexpr int kGdnStepWarps = 8;                            // row parts a column
 constexpr int kGdnStepThreads = kGdnStepWarps * 32;
