@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GDN layer's out projection inside its step kernel (Fusions::gdn_out), on the device in one call: lily
-# built, the CUDA tests (the fusion on, and switched off in test_each_fusion_off_decodes_the_same), then greedy
+# A layer's out projection inside the kernel that makes its mix row (Fusions::mix_project: the GDN step, the
+# attention's merge), on the device in one call: lily built, the CUDA tests (the fusion on, and switched off in test_each_fusion_off_decodes_the_same), then greedy
 # decode at 4K with the fusion on and off in the same build, alternating, ROUNDS rounds. From the tree's root,
 # with `models` carried (the tiny test models):
 #
-#   bash benchmarks/results/gdn_out_2026-12-07/call.sh
+#   bash benchmarks/results/mix_project_2026-12-07/call.sh
 set -u
 export LILY_TEST_MODELS=$PWD/models
 STEPS="build synth test" bash benchmarks/cuda_device.sh 2>&1 | tail -24
@@ -12,8 +12,8 @@ echo "== $(date -u +%T) synth"
 while pgrep -f "lily.cli synth" >/dev/null; do sleep 2; done  # (cuda_device.sh's synth runs on in the background)
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for v in on off; do
-    f=; [ $v = off ] && f=gdn_out
-    PYTHONPATH=src timeout 100 python3 benchmarks/cuda_ab.py --model /tmp/synth-full --tag "gdn_out_$v" \
+    f=; [ $v = off ] && f=mix_project
+    PYTHONPATH=src timeout 100 python3 benchmarks/cuda_ab.py --model /tmp/synth-full --tag "mix_project_$v" \
       --contexts 4096 --fusions "$f" 2>&1 | grep -E "^ab|^turn|Error" | sed "s/^/round $r: /" | tee -a "$OUT/ab.txt"
   done
 done
