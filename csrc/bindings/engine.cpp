@@ -60,7 +60,7 @@ static Fusions fusions_of(const nb::dict& d) {
   Fusions f;
   const std::pair<const char*, bool Fusions::*> fields[] = {
       {"norm_project", &Fusions::norm_project}, {"route", &Fusions::route},
-      {"attn_prepare", &Fusions::attn_prepare}, {"gdn_step", &Fusions::gdn_step}, {"mix_project", &Fusions::mix_project},
+      {"attn_prepare", &Fusions::attn_prepare}, {"gdn_step", &Fusions::gdn_step},
       {"expert_swiglu", &Fusions::expert_swiglu}, {"expert_combine", &Fusions::expert_combine},
       {"dequant", &Fusions::dequant}};
   for (auto [k, v] : d) {
