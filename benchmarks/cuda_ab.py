@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--tag", required=True, help="the build's name in the output lines")
     ap.add_argument("--contexts", default="128,4096")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--fusions", default="", help="decode fusions switched off, comma-separated (gdn_out,route)")
+    ap.add_argument("--fusions", default="", help="decode fusions switched off, comma-separated (route,dequant)")
     args = ap.parse_args()
     off = {f: False for f in args.fusions.split(",") if f}
     e = lily.Engine.from_pretrained(args.model, backend="cuda", fusions=off)

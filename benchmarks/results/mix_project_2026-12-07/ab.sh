@@ -7,7 +7,10 @@ if ! grep -q mix_project csrc/schedule/backend.h; then
   patch -p1 -s < benchmarks/results/mix_project_2026-12-07/mix_project.patch || { echo "the patch does not apply"; exit 1; }
 fi
 ls src/lily/_core*.so >/dev/null 2>&1 || STEPS=build bash benchmarks/cuda_device.sh 2>&1 | tail -3
-[ -d /tmp/synth-full ] || PYTHONPATH=src python3 -m lily.cli synth --scale full --out /tmp/synth-full | tail -1
+if [ ! -f /tmp/synth-full/.complete ]; then
+  rm -rf /tmp/synth-full
+  PYTHONPATH=src python3 -m lily.cli synth --scale full --out /tmp/synth-full | tail -1 && touch /tmp/synth-full/.complete
+fi
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for v in on off; do
     f=; [ $v = off ] && f=mix_project

@@ -14,3 +14,7 @@ set -u
 patch -p1 -s < benchmarks/results/mix_project_2026-12-07/mix_project.patch || { echo "the patch does not apply"; exit 1; }
 export LILY_TEST_MODELS=$PWD/models
 STEPS="build decode synth test" bash benchmarks/cuda_device.sh 2>&1 | grep -v "^ok\| ok$" | tail -40
+# the full-size checkpoint cuda_device.sh began in the background, for ab.sh: a process left running is killed
+# when the call returns, so it is waited for and marked complete here
+while pgrep -f "lily.cli synth" >/dev/null; do sleep 2; done
+[ -f /tmp/synth-full/config.json ] && touch /tmp/synth-full/.complete
