@@ -535,7 +535,7 @@ inline void gemm_launch(const GemmArgs& a, GemmTile t, GemmScratch x, cudaStream
                                 std::to_string(a.W.bits) + " bits against " + std::to_string(a.up.rows) + " x " +
                                 std::to_string(a.up.cols) + ", " + std::to_string(a.up.bits) +
                                 " bits), or accumulates");
-  if (a.W.bits == 4 && a.W.sdt == kBF16) launch_gemm_format<kWQ4BF16>(a, t, x.xh, ldxh, stream);
+  if (Q4BF16::holds(a.W)) launch_gemm_format<kWQ4BF16>(a, t, x.xh, ldxh, stream);
   else if (a.W.bits == 4) launch_gemm_format<kWQ4>(a, t, x.xh, ldxh, stream);
   else if (a.W.bits == 8) launch_gemm_format<kWQ8>(a, t, x.xh, ldxh, stream);
   else if (a.W.wdt == kBF16) launch_gemm_format<kWBF16>(a, t, x.xh, ldxh, stream);
