@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
-# After call.sh beside it (see there): greedy decode at 4K with Fusions::mix_project on and off in the same build,
-# alternating, ROUNDS rounds (~4 min on the warm machine call.sh used; on a fresh one it first applies the patch,
-# builds lily and the full-size checkpoint, ~3 min more).
+# Greedy decode at 4K with Fusions::mix_project on and off in one build (cuda_ab.py --fusions), alternating,
+# ROUNDS rounds, into $OUT/ab.txt. From the tree's root on a device machine; builds lily and the full-size
+# checkpoint first where they are not there (~3 min), else ~2 min a round.
 set -u
-if ! grep -q mix_project csrc/schedule/backend.h; then
-  patch -p1 -s < benchmarks/results/mix_project_2026-12-07/mix_project.patch || { echo "the patch does not apply"; exit 1; }
-fi
 ls src/lily/_core*.so >/dev/null 2>&1 || STEPS=build bash benchmarks/cuda_device.sh 2>&1 | tail -3
 if [ ! -f /tmp/synth-full/.complete ]; then
   rm -rf /tmp/synth-full
