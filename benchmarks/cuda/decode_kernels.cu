@@ -101,6 +101,13 @@ std::vector<float> rmsnorm(const std::vector<float>& x, const std::vector<float>
 // a dot product (more where its terms cancel), against the 1e-2 or more of a wrong code, scale or row.
 constexpr double kDotTol = 5e-4;
 
+// A check that passes or fails as a whole (a route, a count reset, a result repeated bit for bit).
+void verdict(const char* what, const std::string& label, bool ok) {
+  if (!ok) ++failures;
+  std::printf("%-8s %-50s %s\n", what, label.c_str(), ok ? "ok" : "FAIL");
+  std::fflush(stdout);
+}
+
 void check(const char* what, const std::string& shape, const std::vector<float>& got, const std::vector<float>& ref,
            double tol = 2e-5, double mean_tol = 0) {
   const Err e = compare(got, ref);
@@ -276,8 +283,7 @@ void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused, Exp
   std::vector<unsigned> counts(kMoeCounts);
   CK(cudaMemcpy(counts.data(), b.count, sizeof(unsigned) * kMoeCounts, cudaMemcpyDeviceToHost));
   const bool reset = std::all_of(counts.begin(), counts.end(), [](unsigned c) { return c == 0; });
-  if (!reset) ++failures;
-  std::printf("%-8s %-50s %s\n", "counts", shape.c_str(), reset ? "0 after the launch: ok" : "not reset: FAIL");
+  verdict("counts", shape + ": 0 after the launch", reset);
   // the route
   std::vector<int> order(E);
   for (int e = 0; e < E; ++e) order[e] = e;
@@ -292,8 +298,7 @@ void experts_case(int H, int I, int Is, int E, int K, bool time, bool fused, Exp
     want_w[j] = float(std::exp(double(router[order[j]]) - router[order[0]]) / z);
     route_ok = route_ok && ids[j] == order[j];
   }
-  if (!route_ok) ++failures;
-  std::printf("%-8s %-50s %s\n", "route", shape.c_str(), route_ok ? "ok" : "FAIL");
+  verdict("route", shape, route_ok);
   check("weights", shape, wts, want_w);
   // h
   std::vector<float> h_ref(size_t(K + 1) * ldh, 0.f);
@@ -517,12 +522,8 @@ void attention_case(const AttnShape& s, int64_t pos) {
   std::vector<float> want = r.krow;
   want.insert(want.end(), r.vrow.begin(), r.vrow.end());
   check("kv row", shape, row, want, 1e-2);  // 1e-2: the rounding of an element may flip (the angle's powf)
-  if (!others_kept) ++failures;
-  std::printf("%-8s %-50s %s\n", "kv rest", shape.c_str(), others_kept ? "ok" : "FAIL");
-  const std::vector<float> again = run();
-  const bool same = std::memcmp(again.data(), mix.data(), n_mix * 4) == 0;
-  if (!same) ++failures;
-  std::printf("%-8s %-50s %s\n", "again", (shape + ": same mix").c_str(), same ? "ok" : "FAIL");
+  verdict("kv rest", shape, others_kept);
+  verdict("again", shape + ": same mix", std::memcmp(run().data(), mix.data(), n_mix * 4) == 0);
 }
 
 // In a graph at pos over `layers` layers' caches (the model's 10 attention layers: 80 MB at 4K,
@@ -558,11 +559,9 @@ void mix_project_case(const AttnShape& s, int64_t pos, int H, int bits, int wdt,
   make_weights(o, 1, H, int(n_mix), bits, wdt, sdt, 64);
   const dim3 grid = attention_combine_grid(s.n_q, s.d);
   const int blocks = int(grid.x * grid.y);
-  if (!all_resident(attention_combine_kernel, blocks, kCombineWarps * 32, 1, OutSlab::bytes(o.W), sms)) {
-    ++failures;
-    std::printf("%-8s %-50s its blocks do not fit at once: FAIL\n", "mixproj", shape.c_str());
-    return;
-  }
+  const bool fits = all_resident(attention_combine_kernel, blocks, kCombineWarps * 32, 1, OutSlab::bytes(o.W), sms);
+  verdict("resident", shape + ": its blocks at once", fits);
+  if (!fits) return;
   const std::vector<float> x0 = random_floats(H, -1.f, 1.f);
   float *x = upload(x0), *shares = nullptr;
   unsigned* counts = upload(std::vector<unsigned>{0, 0});
@@ -580,12 +579,8 @@ void mix_project_case(const AttnShape& s, int64_t pos, int H, int bits, int wdt,
   for (int r = 0; r < H; ++r) want[r] += x0[r];
   check("mixproj", shape, got, want, kDotTol);
   const std::vector<unsigned> c = download(counts, 2);
-  const bool reset = c[0] == 0 && c[1] == 0;
-  if (!reset) ++failures;
-  std::printf("%-8s %-50s 0 after the launch: %s\n", "counts", shape.c_str(), reset ? "ok" : "FAIL");
-  const bool same = std::memcmp(run().data(), got.data(), H * 4) == 0;
-  if (!same) ++failures;
-  std::printf("%-8s %-50s %s\n", "again", (shape + ": same x").c_str(), same ? "ok" : "FAIL");
+  verdict("counts", shape + ": 0 after the launch", c[0] == 0 && c[1] == 0);
+  verdict("again", shape + ": same x", std::memcmp(run().data(), got.data(), H * 4) == 0);
   cudaFree(x), cudaFree(shares), cudaFree(counts);
 }
 
@@ -608,8 +603,7 @@ void argmax_case(int V) {
     ok = ok && download(token, 1)[0] == want;
     cudaFree(dl);
   }
-  if (!ok) ++failures;
-  std::printf("%-8s %-50s %s\n", "argmax", ("V " + std::to_string(V)).c_str(), ok ? "ok" : "FAIL");
+  verdict("argmax", "V " + std::to_string(V), ok);
   cudaFree(token), cudaFree(slot);
 }
 
