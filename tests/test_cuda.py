@@ -122,7 +122,7 @@ def test_sessions_taking_turns_decode_as_alone(ids):
 
 
 @needs_device
-@pytest.mark.parametrize("off", ["norm_project", "route", "attn_prepare", "gdn_step", "mix_project", "expert_swiglu",
+@pytest.mark.parametrize("off", ["norm_project", "route", "attn_prepare", "gdn_step", "expert_swiglu",
                                  "expert_combine", "dequant"])
 def test_each_fusion_off_decodes_the_same(off, ids):
     """A decode fusion switched off runs the plain ops in the decode graph (for gdn_step: the prefill scan of one
@@ -381,15 +381,14 @@ def test_device_sampler_steps_feed_back(temperature, rng):
 def test_counters(ids):
     """Engine.counters() on CUDA, GpuBackend's as on Metal: a prefill chunk or a decode step is one command buffer
     with no CPU wait inside it; a decode step's dispatches are the kernels of its CUDA graph, the same whether the
-    step captures the graph or replays it: the embedding, three a GDN layer (the normed in_proj, the step with
-    the out projection inside, the experts with the route inside), five an attention layer (the normed q/k/v,
-    the q/k preparation, the split attention, its merge with the out projection inside, the experts), lm_head
-    and the selection (so Fusions::mix_project ran, not the plain pair it falls back to). Bytes are metal-emu's
-    count: none here."""
+    step captures the graph or replays it: the embedding, four a GDN layer (the normed in_proj, the step, the out
+    projection, the experts with the route inside), six an attention layer (the normed q/k/v, the q/k
+    preparation, the split attention and its merge, the out projection, the experts), lm_head and the
+    selection. Bytes are metal-emu's count: none here."""
     e = lily.Engine.from_pretrained(tm.get_model(tm.BASE, "mlx_q4_bf16"), backend="cuda", prefill_chunk=16)
     c = e.config
     n_attn = sum(t == "full_attention" for t in c.layer_types)
-    per_step = 1 + 3 * (c.num_hidden_layers - n_attn) + 5 * n_attn + 2
+    per_step = 1 + 4 * (c.num_hidden_layers - n_attn) + 6 * n_attn + 2
     prompt, decode_ids = ids
     s = e.new_session()
     e.prefill(prompt, s)

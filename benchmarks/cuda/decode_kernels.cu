@@ -485,7 +485,7 @@ void launch_attn(const AttnShape& s, int64_t cap, const AttnDev& b) {
            s.n_q, s.n_kv, b.part);
   });
   launch(attention_combine_kernel, attention_combine_grid(s.n_q, s.d), kCombineWarps * 32, 0, b.part, s.d,
-         b.q_gate, b.mix, LinDev{}, (float*)nullptr, (unsigned*)nullptr, (float*)nullptr);  // (no o projection inside)
+         b.q_gate, b.mix);
 }
 
 // mix (poisoned with NaN first: every element must be written) against the reference; the cache's row pos
@@ -541,47 +541,6 @@ void attention_time(const AttnShape& s, int64_t pos, int layers) {
 
 void attention_cases(const AttnShape& s, std::initializer_list<int64_t> positions) {
   for (int64_t pos : positions) attention_case(s, pos);
-}
-
-// The o projection inside the merge (Fusions::mix_project, OutSlab) against x0 + o · mix, mix the merge's own
-// without it: an o projection of H rows in a format (bits 0: dense wdt; past 64 KB a slab goes in passes). The
-// counts back at 0 after the launch, and a second launch from the same x0 the same x, bit for bit (the shares
-// summed in a fixed order).
-void mix_project_case(const AttnShape& s, int64_t pos, int H, int bits, int wdt, int sdt) {
-  const std::string shape = s.name(pos) + " o " + std::to_string(H) + " " + format_name(bits, wdt, sdt);
-  const AttnData a = make_attn_data(s, pos);
-  const AttnDev b(a);
-  const size_t n_mix = size_t(s.n_q) * s.d;
-  launch_attn(s, a.cap, b);
-  CK(cudaStreamSynchronize(stream));
-  const std::vector<float> mix = download(b.mix, n_mix);
-  Weights o;
-  make_weights(o, 1, H, int(n_mix), bits, wdt, sdt, 64);
-  const dim3 grid = attention_combine_grid(s.n_q, s.d);
-  const int blocks = int(grid.x * grid.y);
-  const bool fits = all_resident(attention_combine_kernel, blocks, kCombineWarps * 32, 1, OutSlab::bytes(o.W), sms);
-  verdict("resident", shape + ": its blocks at once", fits);
-  if (!fits) return;
-  const std::vector<float> x0 = random_floats(H, -1.f, 1.f);
-  float *x = upload(x0), *shares = nullptr;
-  unsigned* counts = upload(std::vector<unsigned>{0, 0});
-  CK(cudaMalloc(&shares, size_t(blocks) * H * 4));
-  auto run = [&] {
-    CK(cudaMemcpy(x, x0.data(), H * 4, cudaMemcpyHostToDevice));
-    launch(attention_combine_kernel, grid, kCombineWarps * 32, OutSlab::bytes(o.W), (const float*)b.part, s.d,
-           (const float*)b.q_gate, b.mix, o.W, shares, counts, x);
-    CK(cudaStreamSynchronize(stream));
-    CK(cudaGetLastError());
-    return download(x, H);
-  };
-  const std::vector<float> got = run();
-  std::vector<float> want = ref_gemv(o.W, 0, mix);
-  for (int r = 0; r < H; ++r) want[r] += x0[r];
-  check("mixproj", shape, got, want, kDotTol);
-  const std::vector<unsigned> c = download(counts, 2);
-  verdict("counts", shape + ": 0 after the launch", c[0] == 0 && c[1] == 0);
-  verdict("again", shape + ": same x", std::memcmp(run().data(), got.data(), H * 4) == 0);
-  cudaFree(x), cudaFree(shares), cudaFree(counts);
 }
 
 // ---------------------------------------------------------------- argmax
@@ -820,20 +779,11 @@ int main(int argc, char** argv) {
   // across blocks, and one whose split's block has empty blocks after it
   attention_cases({4, 2, 64, 16}, {0, 5, 77, 300});
   attention_cases({8, 1, 32, 8}, {0, 130, 301});
-  // the o projection inside the merge: the checkpoint's format, 8-bit with f32 scales, dense bf16, and f32 in
-  // two passes of its slab
-  mix_project_case({4, 2, 64, 16}, 77, 128, 4, kBF16, kBF16);
-  mix_project_case({4, 2, 64, 16}, 77, 128, 8, kBF16, kF32);
-  mix_project_case({4, 2, 64, 16}, 77, 128, 0, kBF16, kBF16);
-  mix_project_case({4, 2, 64, 16}, 77, 1024, 0, kF32, kF32);
   if (!small || mode == "--attention") {
     // the model's (G = 8, d 256): pos 1003 is the 4th key of a split of 8, 4001 the 2nd of a split of 32 with
     // the last two splits empty, 4095 the last key of the last split
     attention_cases({16, 2, 256, 64}, {0, 5, 200, 1003, 4001, 4095});
     for (const int64_t p : {127, 1023, 4095}) attention_time({16, 2, 256, 64}, p, 10);
-    // the model's o projection (2,048 × 4,096) in its format, and as 8-bit (two passes)
-    mix_project_case({16, 2, 256, 64}, 4001, 2048, 4, kBF16, kBF16);
-    mix_project_case({16, 2, 256, 64}, 4001, 2048, 8, kBF16, kBF16);
   }
   if (!small && mode != "--attention") {
     // the model's: GDN in_proj (qkv, z, b, a), attention's (q with its gate, k, v), out / o projection,

@@ -61,8 +61,8 @@ static Fusions fusions_of(const nb::dict& d) {
   const std::pair<const char*, bool Fusions::*> fields[] = {
       {"norm_project", &Fusions::norm_project}, {"route", &Fusions::route},
       {"attn_prepare", &Fusions::attn_prepare}, {"gdn_step", &Fusions::gdn_step},
-      {"mix_project", &Fusions::mix_project}, {"expert_swiglu", &Fusions::expert_swiglu},
-      {"expert_combine", &Fusions::expert_combine}, {"dequant", &Fusions::dequant}};
+      {"expert_swiglu", &Fusions::expert_swiglu}, {"expert_combine", &Fusions::expert_combine},
+      {"dequant", &Fusions::dequant}};
   for (auto [k, v] : d) {
     const std::string key = nb::cast<std::string>(k);
     auto it = std::find_if(std::begin(fields), std::end(fields), [&](const auto& fd) { return key == fd.first; });

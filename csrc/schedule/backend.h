@@ -52,10 +52,6 @@ struct Fusions {
   // The GDN step (conv + SiLU, q/k l2-norm, gates, delta rule, gated norm) as one kernel (gdn_step). Off: the
   // scan of one row (gdn_scan: conv, scan and gated norm kernels, intermediates through memory).
   bool gdn_step = true;
-  // With gdn_step / attn_prepare: a layer's out projection inside the op that makes its mix row
-  // (gdn_step_project, attn_decode_project; on CUDA each block of the step or of the attention's merge takes its
-  // columns' share of the projection, the Metal backend runs the plain pair). Off: the out projection's own GEMV.
-  bool mix_project = true;
   // Inside moe_decode: the experts' gate/up GEMV applies SwiGLU before storing h (and on CUDA inside
   // moe_prefill: gate and up as one GEMM that stores h). Off: gate and up rows go to scratch and a separate
   // pass makes h.
@@ -158,16 +154,6 @@ class Backend {
   }
   // gdn_scan of one row (fused: conv, norms, gates, update and gated norm in one kernel).
   virtual void gdn_step(int layer) { gdn_scan(layer, 1); }
-  // gdn_step / attn_prepare_decode, then x += out · mix (fused: the projection inside the kernel that makes the
-  // mix row, which is then unspecified).
-  virtual void gdn_step_project(int layer, const Linear& out) {
-    gdn_step(layer);
-    project(Act::mix, Act::x, out, 1, true);
-  }
-  virtual void attn_decode_project(int layer, int64_t pos, const Linear& o) {
-    attn_prepare_decode(layer, pos);
-    project(Act::mix, Act::x, o, 1, true);
-  }
 
   // Token selection on the device (sampling.h semantics), so the token never visits the CPU between steps:
   // select_token picks from logits row 0 — the first maximum at temperature 0, else one draw — writes the

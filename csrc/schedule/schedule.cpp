@@ -19,26 +19,18 @@ static void layer_stack(Backend& b, const Model& m, const Fusions& f, int T, int
     const LayerWeights& L = m.layers[i];
     if (c.is_attention(i)) {
       norm_project(L.input_norm, {{&L.attn.q, Act::q_gate}, {&L.attn.k, Act::k}, {&L.attn.v, Act::v}});
-      if (decode && f.attn_prepare && f.mix_project) {
-        b.attn_decode_project(i, pos, L.attn.o);
+      if (decode && f.attn_prepare) {
+        b.attn_prepare_decode(i, pos);
       } else {
-        if (decode && f.attn_prepare) {
-          b.attn_prepare_decode(i, pos);
-        } else {
-          b.attn_prepare(i, T, pos);
-          if (decode) b.attn_decode(i, pos); else b.attn_prefill(i, T, pos);
-        }
-        b.project(Act::mix, Act::x, L.attn.o, T, true);
+        b.attn_prepare(i, T, pos);
+        if (decode) b.attn_decode(i, pos); else b.attn_prefill(i, T, pos);
       }
+      b.project(Act::mix, Act::x, L.attn.o, T, true);
     } else {
       norm_project(L.input_norm,
                    {{&L.gdn.qkv, Act::qkv}, {&L.gdn.z, Act::z}, {&L.gdn.b, Act::beta}, {&L.gdn.a, Act::alpha}});
-      if (decode && f.gdn_step && f.mix_project) {
-        b.gdn_step_project(i, L.gdn.out);
-      } else {
-        if (decode && f.gdn_step) b.gdn_step(i); else b.gdn_scan(i, T);
-        b.project(Act::mix, Act::x, L.gdn.out, T, true);
-      }
+      if (decode && f.gdn_step) b.gdn_step(i); else b.gdn_scan(i, T);
+      b.project(Act::mix, Act::x, L.gdn.out, T, true);
     }
     if (decode && f.route) {
       b.moe_norm_route(i, L.post_norm);

@@ -273,8 +273,7 @@ def round_order(r: int, engines: list[str]) -> list[str]:
 # csrc/schedule/backend.h) and the Metal backend's own choices (MetalOptions, csrc/backends/metal/metal_backend.h);
 # all are on by default. `lily bench --counters --ablations` and benchmarks/metal_counters.py --ablations report
 # them side by side.
-FUSIONS = ("norm_project", "route", "attn_prepare", "expert_swiglu", "expert_combine", "gdn_step", "mix_project",
-           "dequant")
+FUSIONS = ("norm_project", "route", "attn_prepare", "expert_swiglu", "expert_combine", "gdn_step", "dequant")
 ABLATIONS = {
     "all on": {},
     **{f"fuse_{f} off": {"fusions": {f: False}} for f in FUSIONS},

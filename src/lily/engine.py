@@ -264,8 +264,7 @@ class Engine:
         # count_bytes=False (metal-emu) skips the emulator's byte counting, several times faster: the
         # counters then report dispatches, stages and waits but zero bytes.
         # fusions (any backend): the schedule's decode fusions, Fusions in csrc/schedule/backend.h, all on by
-        # default (bools): norm_project, route, attn_prepare, gdn_step, mix_project, expert_swiglu, expert_combine,
-        # dequant.
+        # default (bools): norm_project, route, attn_prepare, gdn_step, expert_swiglu, expert_combine, dequant.
         # metal_options (metal / metal-emu): MetalOptions in csrc/backends/metal/metal_backend.h: gqa_pack,
         # gpu_routing, pipeline (bools), attn_path (0 automatic, 1 general, 2 split-KV), moe_tile_rows (0 rule,
         # 16, 32). docs/performance.md shows what each switch changes in the counters. cuda reads pipeline

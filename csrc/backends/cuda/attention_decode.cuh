@@ -221,16 +221,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 // columns of it a block (grid attention_combine_grid, kCombineWarps warps): mix_h = Σ_s w_s·o_s / Σ_s w_s·l_s ·
 // σ(gate_h), w_s = 2^(m_s − max_s m_s). Every warp weighs all the partials (a lane each) and sums a quarter of
 // them, its loads issued with the weights' (two L2 round trips in all). One block a head over 128 unmerged
-// partials read 132 KB through one SM: 9.9 µs a layer (ncu, H200). With `out` (attn_decode_project), the block's
-// 32 columns of mix go into the o projection's shares instead (OutSlab: resid, the residual row x, += out · mix).
+// partials read 132 KB through one SM: 9.9 µs a layer (ncu, H200).
 __global__ void __launch_bounds__(kCombineWarps * 32)
-    attention_combine_kernel(const float* part, int d, const float* q_gate, float* mix,
-                             const __grid_constant__ LinDev out, float* shares, unsigned* counts, float* resid) {
-  __shared__ float sums[kCombineWarps][32], ms[32];
-  extern __shared__ __align__(16) uint8_t out_slab[];  // out.rows: OutSlab's
+    attention_combine_kernel(const float* part, int d, const float* q_gate, float* mix) {
+  __shared__ float sums[kCombineWarps][32];
   start_next_kernel();
-  const OutSlab slab{out, int(blockIdx.x) * d + int(blockIdx.y) * 32, out_slab};
-  if (out.rows) slab.load_first();
   wait_previous_kernel();
   const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = blockIdx.y * 32 + lane;
   part += int64_t(h) * kAttnParts * (d + 2);
@@ -250,14 +245,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     acc = fmaf(__shfl_sync(0xffffffffu, w, warp + i * kCombineWarps), o[i], acc);
   sums[warp][lane] = acc;
   __syncthreads();
-  if (warp == 0) {
-    acc = 0.f;
+  if (warp) return;
+  acc = 0.f;
 #pragma unroll
-    for (int q = 0; q < kCombineWarps; ++q) acc += sums[q][lane];
-    const float v = acc / total * sigmoidf_(q_gate[int64_t(2 * h + 1) * d + c]);
-    (out.rows ? ms[lane] : mix[int64_t(h) * d + c]) = v;
-  }
-  if (out.rows) slab.add_into(ms, shares, counts, resid, &sums[0][0]);  // (sums: read before its first barrier)
+  for (int q = 0; q < kCombineWarps; ++q) acc += sums[q][lane];
+  mix[int64_t(h) * d + c] = acc / total * sigmoidf_(q_gate[int64_t(2 * h + 1) * d + c]);
 }
 inline dim3 attention_combine_grid(int n_q, int d) { return dim3(n_q, d / 32); }
 // The partials' buffer: kAttnParts a query head.
@@ -272,9 +264,6 @@ inline cudaError_t allow_attention_decode_smem() {
                                int(attn_smem_bytes<D()>()));
   };
   for (int d : {32, 64, 128, 256}) by_head_dim(d, allow);
-  if (e == cudaSuccess)  // with the o projection's slab (OutSlab)
-    e = cudaFuncSetAttribute(attention_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(OutSlab::kPassBytes));
   return e;
 }
 

@@ -87,27 +87,6 @@ class CudaBackend final : public gpu::GpuBackend {
                                " blocks do not fit this GPU at once (LILY_CUDA_DECODE_BLOCKS_PER_SM=1: one an SM)");
     decode_order_ = &DecodeOrder::of(device_id);
     upload_weights();
-    // mix_project's kernels: whether they take every layer's out projection, and with the largest slab of them
-    // their blocks all resident at once (they wait on each other)
-    size_t gdn_slab = 0, attn_slab = 0;
-    bool takes = true;
-    for (const LayerWeights& L : m_.layers) {
-      if (L.gdn.out.w) {
-        const LinDev W = lin(L.gdn.out);
-        gdn_slab = std::max(gdn_slab, OutSlab::bytes(W));
-        takes = takes && OutSlab::takes(W, gdn_step_blocks(), kGdnStepThreads);
-      }
-      if (L.attn.o.w) {
-        const LinDev W = lin(L.attn.o);
-        attn_slab = std::max(attn_slab, OutSlab::bytes(W));
-        takes = takes && OutSlab::takes(W, combine_blocks(), kCombineWarps * 32);
-      }
-    }
-    mix_project_fits_ =
-        takes &&
-        all_resident(gdn_step_kernel_for(c_.lin_dk), gdn_step_blocks(), kGdnStepThreads, gdn_step_cluster(c_.lin_dv),
-                     gdn_slab, sms_) &&
-        all_resident(attention_combine_kernel, combine_blocks(), kCombineWarps * 32, 1, attn_slab, sms_);
     const int K = c_.top_k, E = c_.experts, TK = max_rows * K, H = c_.hidden, I = c_.moe_inter;
     imax_ = std::max(I, c_.shared_inter);
     qbuf_ = scratch<float>(size_t(max_rows) * c_.n_q * c_.head_dim, "attn.q");
@@ -134,8 +113,6 @@ class CudaBackend final : public gpu::GpuBackend {
     xh_.xh = scratch<__nv_bfloat16>(xh_.elems, "gemm.x_bf16");
     argmax_slot_ = scratch<ArgmaxSlot>(1, "argmax");
     moe_counts_ = scratch<unsigned>(kMoeCounts, "moe.decode_counts");
-    out_shares_ = scratch<float>(size_t(std::max(gdn_step_blocks(), combine_blocks())) * H, "mix_project.shares");
-    out_counts_ = scratch<unsigned>(2, "mix_project.counts");
     pos_ = scratch_view(sizeof(int64_t), "pos", Role::io);
     pos_dev_ = device_ptr<int64_t>(pos_);
     sample_args_ = scratch_view(sizeof(SampleArgs), "sample.args", Role::io);
@@ -291,22 +268,7 @@ class CudaBackend final : public gpu::GpuBackend {
   // Split-KV attention for the one row (attention_decode.cuh), then the splits merged and gated. (No
   // attn_prepare_decode of its own: the preparation inside the split kernel measured slower than
   // attn_prepare_kernel before it, so Backend's, the two ops, serves.)
-  void attn_decode(int layer, int64_t pos) override { launch_attention(layer, pos, nullptr); }
-  // The preparation, then the same kernels with the o projection inside the merge (OutSlab), as gdn_step_project.
-  void attn_decode_project(int layer, int64_t pos, const Linear& o) override {
-    if (!mix_project_fits_) {
-      Backend::attn_decode_project(layer, pos, o);
-      return;
-    }
-    attn_prepare(layer, 1, pos);
-    launch_attention(layer, pos, &o);
-  }
-
-  int combine_blocks() const {
-    const dim3 g = attention_combine_grid(c_.n_q, c_.head_dim);
-    return int(g.x * g.y);
-  }
-  void launch_attention(int layer, int64_t pos, const Linear* o) {
+  void attn_decode(int layer, int64_t pos) override {
     check_pos(pos);
     if (!op()) return;
     by_head_dim(c_.head_dim, [&](auto D) {
@@ -314,10 +276,8 @@ class CudaBackend final : public gpu::GpuBackend {
                        attn_smem_bytes<D()>(), qbuf_, kc(layer), vc(layer), kv_capacity(), pos_dev_, c_.n_q,
                        c_.n_kv, attn_part_);
     });
-    const LinDev W = o ? lin(*o) : LinDev{};  // (mix_project_fits_: OutSlab takes it)
-    launch_dependent(attention_combine_kernel, attention_combine_grid(c_.n_q, c_.head_dim), kCombineWarps * 32,
-                     o ? OutSlab::bytes(W) : 0, attn_part_, c_.head_dim, act(Act::q_gate), act(Act::mix), W,
-                     out_shares_, out_counts_, act(Act::x));
+    launch_dependent(attention_combine_kernel, attention_combine_grid(c_.n_q, c_.head_dim), kCombineWarps * 32, 0,
+                     attn_part_, c_.head_dim, act(Act::q_gate), act(Act::mix));
   }
 
   // The chunk's scan: conv over all rows at once, q/k norms and gates over all rows, the recurrence in chunks of
@@ -357,26 +317,22 @@ class CudaBackend final : public gpu::GpuBackend {
   }
 
   // One row: the conv and everything after it in one kernel, a cluster of blocks a value head (gdn_step_kernel).
-  void gdn_step(int layer) override { launch_gdn_step(layer, nullptr); }
-  // The same kernel with the out projection inside it, each block's columns' share summed into x (OutSlab).
-  // (Where OutSlab cannot take the model's out projections, or the kernels' blocks cannot all be resident at once,
-  // as they wait on each other: the plain pair.)
-  void gdn_step_project(int layer, const Linear& out) override {
-    if (mix_project_fits_) launch_gdn_step(layer, &out);
-    else Backend::gdn_step_project(layer, out);
-  }
-
-  int gdn_step_blocks() const { return c_.lin_nv * gdn_step_cluster(c_.lin_dv); }
-  void launch_gdn_step(int layer, const Linear* out) {
+  void gdn_step(int layer) override {
     const gpu::GdnStates st = gdn_states(layer);
     if (!op()) return;
     const DeltaNetWeights& G = m_.layers[layer].gdn;
-    const LinDev W = out ? lin(*out) : LinDev{};  // (mix_project_fits_: OutSlab takes it)
-    launch_dependent(Placement{gdn_step_cluster(c_.lin_dv)}, gdn_step_kernel_for(c_.lin_dk), gdn_step_blocks(),
-                     kGdnStepThreads, out ? OutSlab::bytes(W) : 0, act(Act::qkv), f32(st.conv_in), f32(st.conv_out),
-                     vec(G.conv), act(Act::beta), act(Act::alpha), act(Act::z), f32(st.rec_in), f32(st.rec_out),
-                     vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(), c_.conv_kernel, c_.lin_nk,
-                     c_.lin_nv, c_.lin_dv, c_.rms_eps, W, out_shares_, out_counts_, act(Act::x));
+    auto step = [&](auto kernel) {
+      const int S = gdn_step_cluster(c_.lin_dv);
+      launch_dependent(Placement{S}, kernel, c_.lin_nv * S, kGdnStepThreads, 0, act(Act::qkv), f32(st.conv_in),
+                       f32(st.conv_out), vec(G.conv), act(Act::beta), act(Act::alpha), act(Act::z), f32(st.rec_in),
+                       f32(st.rec_out), vec(G.A_log), vec(G.dt_bias), vec(G.norm), act(Act::mix), c_.conv_dim(),
+                       c_.conv_kernel, c_.lin_nk, c_.lin_nv, c_.lin_dv, c_.rms_eps);
+    };
+    switch (c_.lin_dk) {
+      case 32: step(gdn_step_kernel<32>); break;
+      case 64: step(gdn_step_kernel<64>); break;
+      default: step(gdn_step_kernel<128>); break;
+    }
   }
 
   // The routing ops leave the router's logits; the op that consumes them takes the top-k (moe_prefill with a
@@ -475,8 +431,8 @@ class CudaBackend final : public gpu::GpuBackend {
     uint64_t launches;  // and their kernel launches (the counters' dispatches each replay)
   };
   static uint32_t fusion_bits(const Fusions& f) {
-    const bool bits[] = {f.norm_project, f.route, f.attn_prepare, f.gdn_step, f.mix_project, f.expert_swiglu,
-                         f.expert_combine, f.dequant};
+    const bool bits[] = {f.norm_project, f.route, f.attn_prepare, f.gdn_step, f.expert_swiglu, f.expert_combine,
+                         f.dequant};
     uint32_t v = 0;
     for (size_t i = 0; i < sizeof bits; ++i) v |= uint32_t(bits[i]) << i;
     return v;
@@ -781,9 +737,6 @@ class CudaBackend final : public gpu::GpuBackend {
   };
   DecodeOrder* decode_order_ = nullptr;
   unsigned* moe_counts_ = nullptr;     // moe_decode_kernel's counts [kMoeCounts]
-  float* out_shares_ = nullptr;         // mix_project's shares of the out projections [blocks, H] (OutSlab)
-  unsigned* out_counts_ = nullptr;     // and its counts (0 between launches)
-  bool mix_project_fits_ = false;      // its kernels' blocks all resident at once (all_resident)
   int route_layer_ = -1;               // the layer whose moe_decode takes the route (moe_norm_route)
   const float* route_norm_ = nullptr;  // and its post-attention norm
   View pos_;  // the bound state's position, written before each submission

@@ -57,6 +57,24 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// 16 bytes global → shared without registers; src_bytes < 16 zero-fills the rest (0: all zeros, nothing read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+// The same for data read once a step and too large to stay in L2 until the next (decode's KV cache): L2's
+// evict-first policy, so that it does not push out what the step reuses (see bulk_load).
+__device__ __forceinline__ void cp_async16_once(void* dst, const void* src, int src_bytes) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes), "l"(policy));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // ---------------------------------------------------------------- weight chunks
 
 // The weight formats, one kernel instantiation each (each holds only the registers its raw chunk needs); kWQ4BF16

@@ -173,13 +173,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch32) {
   return t;
 }
 
-// A count other blocks of the kernel add to, read with acquire: what they wrote before adding is visible after.
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
@@ -270,28 +263,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                " [%0], [%1], %2, [%3], %4;"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
                : "memory");
-}
-
-// 16 bytes global → shared without registers; src_bytes < 16 zero-fills the rest (0: all zeros, nothing read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-// The same for data read once a step and too large to stay in L2 until the next (decode's KV cache): L2's
-// evict-first policy, so that it does not push out what the step reuses (see bulk_load).
-__device__ __forceinline__ void cp_async16_once(void* dst, const void* src, int src_bytes) {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes), "l"(policy));
-}
-// 4 bytes global → shared (cp.async's smallest copy: a word holding a 16-bit scale or bias).
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // A tile: n rows of one expert of W in shared memory, codes then scales then biases, each part rounded up to
@@ -807,147 +778,6 @@ __global__ void attn_prepare_kernel(const float* q_gate, const float* k, const f
 
 // ---------------------------------------------------------------- Gated DeltaNet
 
-// A layer's out projection inside the kernel that makes its mix row (Fusions::mix_project: the GDN step,
-// CudaBackend::gdn_step_project; the attention's merge, attn_decode_project). Each block of such a kernel holds
-// one 32-column chunk of the mix row, so it can take that chunk's share of out · mix for every output row: the
-// projection split over its input. Its weights, those 32 columns of every row (a slab), are copied into shared
-// memory before the kernel waits on the one before it, so the out projection's own GEMV (its launch, its staged
-// row, its grid's tail) leaves the layer's chain of kernels. The shares meet in a buffer [blocks, rows]; once
-// every block has counted its shares written (the blocks wait on each other, as the experts' kernel's do: the
-// host checks they are all resident at once, all_resident), each block sums a slice of the rows over the shares
-// in a fixed order and adds it into x. Atomic adds into x would skip that wait, but sum in a different order
-// every run, and two runs of a step must give the same logits.
-//
-// The slab of rows [r0, r0 + n) of W over columns [c0, c0 + 32): each row's codes (16 to 128 bytes: q4, q8,
-// bf16/f16, f32), then, quantised, the 4-byte words holding each row's scale, then its bias (a 16-bit scale or
-// bias cannot be copied alone). Its rows are read as TileRows, so chunk_dot and dense_chunk_dot serve it as
-// they serve a tile, at column 0 of a one-chunk, one-group row.
-struct OutSlab {
-  __host__ __device__ static uint32_t code_bytes(const LinDev& W) {
-    return W.bits ? 4u * uint32_t(W.bits) : 32u * (W.wdt == kF32 ? 4u : 2u);
-  }
-  __host__ __device__ static uint32_t row_bytes(const LinDev& W) { return code_bytes(W) + (W.bits ? 8u : 0u); }
-  // A pass of the slab: the q4 projections' 2,048 rows at once (48 KB), bf16's in two passes, so that the
-  // kernels' blocks fit two an SM.
-  static constexpr uint32_t kPassBytes = 64 * 1024;
-  // the rows a pass holds: a multiple of four (rows go four to a thread), at most W's; and its bytes
-  __host__ __device__ static int pass_rows(const LinDev& W) {
-    const int fit = int(kPassBytes / row_bytes(W)) / 4 * 4;
-    return W.rows < fit ? W.rows : fit;
-  }
-  __host__ static size_t bytes(const LinDev& W) { return size_t(pass_rows(W)) * row_bytes(W); }
-  // the rows of x a block sums over the shares: W's rows spread over the kernel's blocks, at most a thread each
-  __host__ __device__ static int sum_rows(const LinDev& W, int blocks) { return (W.rows + blocks - 1) / blocks; }
-  // whether a kernel of `blocks` blocks of `threads` can take W: rows four to a thread, a row's sum to a thread
-  __host__ static bool takes(const LinDev& W, int blocks, int threads) {
-    return W.rows % 4 == 0 && sum_rows(W, blocks) <= threads;
-  }
-
-  const LinDev& W;
-  int c0;
-  uint8_t* base;  // (shared memory: bytes(W))
-  __device__ __forceinline__ int n() const { return pass_rows(W); }
-  __device__ __forceinline__ uint8_t* scales() const { return base + n() * code_bytes(W); }
-  __device__ __forceinline__ uint8_t* biases() const { return scales() + 4 * n(); }
-  // the byte offset of row r's scale (and bias) in W's rows of them (quantised formats: dense have no groups)
-  __device__ __forceinline__ uint64_t param_at(int r) const {
-    return uint64_t(r) * W.s_row + uint64_t(group_of(W, c0)) * (W.sdt == kF32 ? 4 : 2);
-  }
-  // the first pass's rows in (before the kernel's wait: weights are no kernel's output), by the whole block
-  __device__ __forceinline__ void load_first() const { load(0, n()); }
-  // rows [r0, r0 + rows) in, by the whole block, as one cp.async group
-  __device__ __forceinline__ void load(int r0, int rows) const {
-    const uint32_t cb = code_bytes(W);
-    const uint64_t at = uint64_t(c0) * cb / 32;  // the chunk's first code byte in a row
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-      const uint8_t* src = W.w + uint64_t(r0 + r) * W.w_row + at;
-      for (uint32_t v = 0; v < cb; v += 16) cp_async16_once(base + r * cb + v, src + v, 16);
-      if (W.bits) {
-        const uint64_t p = param_at(r0 + r) & ~uint64_t(3);
-        cp_async4(scales() + 4 * r, W.s + p), cp_async4(biases() + 4 * r, W.b + p);
-      }
-    }
-    cp_async_commit();
-  }
-  __device__ __forceinline__ TileRow row(int r0, int r) const {
-    // (a 16-bit parameter at an odd index: in its word's upper half)
-    const uint32_t half = W.bits ? uint32_t(param_at(r0 + r) & 3) : 0u;
-    const uint32_t s = smem_addr(scales()) + 4 * r + half, b = smem_addr(biases()) + 4 * r + half;
-    return {smem_addr(base) + r * code_bytes(W), s, b};
-  }
-  // share[r0 + r] ← the pass's rows · the chunk (ms: its 32 floats in shared memory), once the pass is in
-  __device__ __forceinline__ void project(int r0, int rows, const float* ms, float* share) const {
-    cp_async_wait<0>();
-    __syncthreads();
-    with_format<AnyWeights>(W, [&](auto fmt) {
-      using Fmt = decltype(fmt);
-      QChunk q;
-      if constexpr (!std::is_same_v<Fmt, DenseFmt>) q.quantise(ms);
-      for (int r = 4 * int(threadIdx.x); r < rows; r += 4 * int(blockDim.x)) {
-        float d[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if constexpr (std::is_same_v<Fmt, DenseFmt>)
-            d[k] = dense_chunk_dot(W, row(r0, r + k), 0, [&](int c, float (&v)[8]) {
-#pragma unroll
-              for (int i = 0; i < 8; ++i) v[i] = ms[c + i];
-            });
-          else
-            d[k] = chunk_dot<Fmt>(W, row(r0, r + k), 0, q);
-        }
-        __stcg(reinterpret_cast<float4*>(share + r0 + r), make_float4(d[0], d[1], d[2], d[3]));
-      }
-    });
-  }
-  // x += out · mix, by every block of the kernel after load_first (ms: the block's chunk of mix in shared
-  // memory; shares [blocks, W.rows] and counts [2], 0 between launches; scratch: blockDim.x floats of shared
-  // memory). Its blocks are the grid's, in row-major order.
-  __device__ void add_into(const float* ms, float* shares, unsigned* counts, float* x, float* scratch) const {
-    const int G = int(gridDim.x * gridDim.y), b = int(blockIdx.x * gridDim.y + blockIdx.y);
-    for (int r0 = 0; r0 < W.rows; r0 += n()) {  // the slab's passes: one but for the f32 and 8-bit formats
-      const int rows = min(n(), W.rows - r0);
-      if (r0) {
-        __syncthreads();  // every thread done with the pass before
-        load(r0, rows);
-      }
-      project(r0, rows, ms, shares + int64_t(b) * W.rows);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();  // the block's shares before its count
-      atomicAdd(counts, 1u);
-      while (ld_acquire(counts) < unsigned(G)) __nanosleep(32);
-    }
-    __syncthreads();
-    // rows [b·m, b·m + m) of x += Σ shares, each row by `lanes` threads (thread l the shares l, l + lanes, …),
-    // their sums added in order: the same sum every run. A thread's loads go out together, kBatch at a time (one
-    // after another, the 16 of the model's shapes cost 16 L2 round trips).
-    constexpr int kBatch = 16;
-    const int m = sum_rows(W, G), lanes = int(blockDim.x) / m, l = threadIdx.x / m, i = threadIdx.x % m, r = b * m + i;
-    const bool mine = l < lanes && r < W.rows;
-    float sum = 0.f;
-    for (int s0 = l; s0 < G; s0 += kBatch * lanes) {
-      float v[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int s = s0 + k * lanes;
-        v[k] = mine && s < G ? __ldcg(shares + int64_t(s) * W.rows + r) : 0.f;
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) sum += v[k];
-    }
-    if (l < lanes) scratch[threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.x < m && r < W.rows) {
-      float total = 0.f;
-      for (int q = 0; q < lanes; ++q) total += scratch[q * m + i];
-      x[r] += total;
-    }
-    if (threadIdx.x == 0 && atomicAdd(counts + 1, 1u) == unsigned(G) - 1)  // every block is past its wait
-      counts[0] = counts[1] = 0;
-  }
-};
-
 // Decode's step (Fusions::gdn_step): the causal conv + SiLU of the channels a value head reads (its key head's q
 // and k, its own v), the q/k l2-norm, the gates, the delta-rule update and the gated RMSNorm. A value head's
 // state S [d_k, d_v] is split by columns over a cluster of d_v / kGdnStepCols blocks: a block holds 32 columns
@@ -958,8 +788,7 @@ struct OutSlab {
 // end-to-end change was measurable from it alone (docs/performance.md). The states are read from one copy and
 // written to the other (conv_in/rec_in → conv_out/rec_out: the backend keeps two, so a step run ahead can be
 // undone), which also lets the blocks sharing a key head each convolve its q/k channels from the old conv state
-// while one of them writes the new one. With `out` (gdn_step_project), each block's 32 columns of mix go into the
-// out projection's shares instead (OutSlab: resid, the residual row x, += out · mix).
+// while one of them writes the new one.
 constexpr int kGdnStepCols = 32;                            // state columns a block: a warp's lanes
 constexpr int kGdnStepWarps = 8;                            // row parts a column
 constexpr int kGdnStepThreads = kGdnStepWarps * 32;
@@ -971,12 +800,11 @@ __global__ void __launch_bounds__(kGdnStepThreads)
     gdn_step_kernel(const float* qkv, const float* conv_in, float* conv_out, const float* taps, const float* beta_in,
                     const float* alpha_in, const float* z, const float* rec_in, float* rec_out, const float* A_log,
                     const float* dt_bias, const float* gnorm, float* mix, int C, int Kc, int nk, int nv, int dv,
-                    float eps, const __grid_constant__ LinDev out, float* shares, unsigned* counts, float* resid) {
+                    float eps) {
   constexpr int R = DK / kGdnStepWarps, N_CH = 2 * DK + kGdnStepCols;
   static_assert(N_CH <= kGdnConvPerThread * kGdnStepThreads, "a block's conv channels");
   __shared__ float qs[DK], ks[DK], vs[kGdnStepCols], dots[2][kGdnStepWarps][kGdnStepCols],
       ss_ranks[kGdnStepMaxCluster];
-  extern __shared__ __align__(16) uint8_t out_slab[];  // out.rows (gdn_step_project): OutSlab's
   cg::cluster_group cluster = cg::this_cluster();
   const int S = gdn_step_cluster(dv), rank = int(cluster.block_rank()), h = blockIdx.x / S;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, j = rank * kGdnStepCols + lane, i0 = warp * R;
@@ -986,8 +814,6 @@ __global__ void __launch_bounds__(kGdnStepThreads)
     return c < DK ? kh * DK + c : c < 2 * DK ? Kd + kh * DK + c - DK : 2 * Kd + h * dv + rank * kGdnStepCols + c - 2 * DK;
   };
   start_next_kernel();
-  const OutSlab slab{out, h * dv + rank * kGdnStepCols, out_slab};
-  if (out.rows) slab.load_first();
   // what no kernel of the step writes, before the wait: the state (its copy in is only read), taps, gate params
   float col[R];
   const int64_t at = int64_t(h) * DK * dv + int64_t(i0) * dv + j;
@@ -1066,11 +892,9 @@ __global__ void __launch_bounds__(kGdnStepThreads)
   cluster.sync();
   float ss = 0.f;
   for (int q = 0; q < S; ++q) ss += ss_ranks[q];
-  const float m = o * rsqrtf(ss / float(dv) + eps) * w * siluf_(z[h * dv + j]);
-  if (warp == 0) (out.rows ? vs[lane] : mix[h * dv + j]) = m;  // (the projection's chunk in vs: v is used up)
+  if (warp == 0) mix[h * dv + j] = o * rsqrtf(ss / float(dv) + eps) * w * siluf_(z[h * dv + j]);
 #pragma unroll
   for (int i = 0; i < R; ++i) __stcs(rec_out + at + int64_t(i) * dv, col[i]);
-  if (out.rows) slab.add_into(vs, shares, counts, resid, reinterpret_cast<float*>(dots));  // (dots: used up)
 }
 
 // Prefill's causal conv + SiLU, one thread per (row, channel): row t reads inputs t - k_c + 1 … t, those before
@@ -1291,6 +1115,12 @@ struct MoeDecode {
 
 // moe_decode_kernel's counts: route tiles done, blocks past gate/up, blocks past their waits (0 between launches)
 constexpr int kMoeCounts = 3;
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 constexpr int kDownTileRows = 16;
 
@@ -1638,31 +1468,6 @@ bool moe_decode_fits(Kernel kernel, int blocks, int sms) {
          per_sm * sms >= blocks;
 }
 
-// The step kernel for key heads of d_k columns (check_geometry: 32, 64 or 128).
-inline auto gdn_step_kernel_for(int dk) {
-  return dk == 32 ? gdn_step_kernel<32> : dk == 64 ? gdn_step_kernel<64> : gdn_step_kernel<128>;
-}
-// Whether `blocks` blocks of `kernel` (`threads` each, in clusters of `cluster`, `smem` bytes of dynamic shared
-// memory) can all be resident at once on `sms` SMs, as blocks that wait on each other must (OutSlab::add_into;
-// once, before the kernel's first launch: not while capturing). Clusters are placed within a GPC, so their count
-// is the cluster API's; a kernel launched without clusters is counted by blocks an SM.
-template <class Kernel>
-bool all_resident(Kernel kernel, int blocks, int threads, int cluster, size_t smem, int sms) {
-  if (cluster == 1) {
-    int per_sm = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) == cudaSuccess &&
-           per_sm * sms >= blocks;
-  }
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = unsigned(cluster), attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(blocks)), cfg.blockDim = dim3(unsigned(threads)), cfg.dynamicSmemBytes = smem;
-  cfg.attrs = &attr, cfg.numAttrs = 1;
-  int clusters = 0;
-  return cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters * cluster >= blocks;
-}
-
 // The decode kernels' shared memory beyond the default 48 KB (once, before their first launch).
 inline cudaError_t allow_decode_smem();
 
@@ -1749,12 +1554,8 @@ inline cudaError_t allow_decode_smem() {
   };
   for (int cols : {1024, 2048, 4096, 8192}) by_cols(cols, allow_for);
   // a value head's step on up to kGdnStepMaxCluster (16) blocks: past the portable cluster size of 8
-  // and with the out projection's slab (OutSlab)
-  for (auto kernel : {gdn_step_kernel<32>, gdn_step_kernel<64>, gdn_step_kernel<128>}) {
+  for (auto kernel : {gdn_step_kernel<32>, gdn_step_kernel<64>, gdn_step_kernel<128>})
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(OutSlab::kPassBytes));
-  }
   return e;
 }
 
