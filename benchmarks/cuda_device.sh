@@ -16,13 +16,22 @@ STEPS=${STEPS:-build kernels decode test synth bench chunk512 lilybench}  # also
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
+source benchmarks/prebuilt.sh  # prebuilt: what .prebuilt holds for this tree (cuda_prebuild.sh)
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
 if has build; then
-  log build
-  cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" \
-    -DLILY_METAL_EMU=OFF >"$OUT/build.log" 2>&1 && cmake --build build/dev -j16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  ln -sf "$PWD"/build/dev/_core*.so src/lily/
+  # .prebuilt (benchmarks/cuda_prebuild.sh, carried): built off the device's clock, taken only for the tree it
+  # was built from, the module only if it imports here
+  so=$(cd .prebuilt 2>/dev/null && ls _core*.so.gz 2>/dev/null | sed 's/\.gz$//')
+  if [ -n "$so" ] && prebuilt "$so" && ln -sf "$PWD/build/$so" src/lily/ && python3 -c "import lily._core" 2>"$OUT/build.log"; then
+    log "build: .prebuilt ($(cat .prebuilt/sources)) taken"
+  else
+    [ -d .prebuilt ] && log "build: .prebuilt not for this tree or not importable here (build.log); building"
+    rm -f src/lily/_core*.so
+    cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" \
+      -DLILY_METAL_EMU=OFF >>"$OUT/build.log" 2>&1 && cmake --build build/dev -j16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    ln -sf "$PWD"/build/dev/_core*.so src/lily/
+  fi
   python3 -c "import lily; print('cuda:', lily.backend_unavailable('cuda') or 'available')"
 fi
 if has synth; then
@@ -35,8 +44,9 @@ if has kernels; then
   OLD=()
   [ -f build/old_kernels.cuh ] && OLD=(-DLILY_OLD_KERNELS=\"../../build/old_kernels.cuh\")
   mkdir -p build
-  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc "${OLD[@]}" benchmarks/cuda/prefill_kernels.cu \
-    -o build/prefill_kernels >"$OUT/kernels_build.log" 2>&1 || tail -20 "$OUT/kernels_build.log"
+  { [ ${#OLD[@]} = 0 ] && prebuilt prefill_kernels; } ||
+    nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc "${OLD[@]}" benchmarks/cuda/prefill_kernels.cu \
+      -o build/prefill_kernels >"$OUT/kernels_build.log" 2>&1 || tail -20 "$OUT/kernels_build.log"
   timeout 240 compute-sanitizer --tool memcheck build/prefill_kernels --small >"$OUT/kernels_memcheck.log" 2>&1
   tail -4 "$OUT/kernels_memcheck.log"
   timeout 300 build/prefill_kernels 2>&1 | tee "$OUT/prefill_kernels.log"
@@ -44,8 +54,9 @@ fi
 if has decode; then
   log "decode kernels"
   mkdir -p build
-  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
-    -o build/decode_kernels >"$OUT/decode_build.log" 2>&1 || tail -20 "$OUT/decode_build.log"
+  prebuilt decode_kernels ||
+    nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
+      -o build/decode_kernels >"$OUT/decode_build.log" 2>&1 || tail -20 "$OUT/decode_build.log"
   timeout 120 compute-sanitizer --tool memcheck build/decode_kernels --small >"$OUT/decode_memcheck.log" 2>&1
   tail -4 "$OUT/decode_memcheck.log"
   timeout 300 build/decode_kernels 2>&1 | tee "$OUT/decode_kernels.log"
