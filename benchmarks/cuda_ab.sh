@@ -17,6 +17,7 @@
 # lily itself is built only for decode and prefill. Every line printed also goes to $OUT/ab_summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/cuda_builds.sh  # build_core, build_harness
 ROOT=$PWD
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -46,13 +47,11 @@ for n in "${NAMES[@]}"; do
   for h in decode prefill; do
     if { [ $h = decode ] && has step; } || { [ $h = prefill ] && { has gdn || has gemm; }; }; then
       (cd "${TREE[$n]}" && mkdir -p build &&
-        nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/${h}_kernels.cu \
-          -o build/${h}_kernels >"$OUT/ab_${h}_harness_$n.log" 2>&1 || echo "$n: $h harness build failed") &
+        build_harness $h build/${h}_kernels >"$OUT/ab_${h}_harness_$n.log" 2>&1 || echo "$n: $h harness build failed") &
     fi
   done
-  { has decode || has prefill; } && (cd "${TREE[$n]}" && cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DPython_EXECUTABLE="$(command -v python3)" -DLILY_METAL_EMU=OFF >"$OUT/ab_build_$n.log" 2>&1 &&
-    cmake --build build/dev -j"$jobs" >>"$OUT/ab_build_$n.log" 2>&1 && ln -sf "${TREE[$n]}"/build/dev/_core*.so src/lily/ ||
+  { has decode || has prefill; } && (cd "${TREE[$n]}" &&
+    build_core "$(command -v python3)" build/dev "$jobs" >"$OUT/ab_build_$n.log" 2>&1 && ln -sf "${TREE[$n]}"/build/dev/_core*.so src/lily/ ||
     { echo "$n: lily build failed"; tail -20 "$OUT/ab_build_$n.log"; }
     # the checkpoint, once A's lily._core is there (lily.cli imports it), while the other builds go on
     if [ "$n" = A ] && [ ! -d /tmp/synth-full ]; then

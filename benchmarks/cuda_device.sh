@@ -16,7 +16,7 @@ STEPS=${STEPS:-build kernels decode test synth bench chunk512 lilybench}  # also
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%T) $*"; }
-source benchmarks/prebuilt.sh  # prebuilt: what .prebuilt holds for this tree (cuda_prebuild.sh)
+source benchmarks/cuda_builds.sh  # build_core, build_harness; prebuilt: .prebuilt for this tree (cuda_prebuild.sh)
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
 if has build; then
@@ -28,8 +28,7 @@ if has build; then
   else
     [ -d .prebuilt ] && log "build: .prebuilt not for this tree or not importable here (build.log); building"
     rm -f src/lily/_core*.so
-    cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" \
-      -DLILY_METAL_EMU=OFF >>"$OUT/build.log" 2>&1 && cmake --build build/dev -j16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    build_core "$(command -v python3)" build/dev 16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
     ln -sf "$PWD"/build/dev/_core*.so src/lily/
   fi
   python3 -c "import lily; print('cuda:', lily.backend_unavailable('cuda') or 'available')"
@@ -45,8 +44,7 @@ if has kernels; then
   [ -f build/old_kernels.cuh ] && OLD=(-DLILY_OLD_KERNELS=\"../../build/old_kernels.cuh\")
   mkdir -p build
   { [ ${#OLD[@]} = 0 ] && prebuilt prefill_kernels; } ||
-    nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc "${OLD[@]}" benchmarks/cuda/prefill_kernels.cu \
-      -o build/prefill_kernels >"$OUT/kernels_build.log" 2>&1 || tail -20 "$OUT/kernels_build.log"
+    build_harness prefill build/prefill_kernels "${OLD[@]}" >"$OUT/kernels_build.log" 2>&1 || tail -20 "$OUT/kernels_build.log"
   timeout 240 compute-sanitizer --tool memcheck build/prefill_kernels --small >"$OUT/kernels_memcheck.log" 2>&1
   tail -4 "$OUT/kernels_memcheck.log"
   timeout 300 build/prefill_kernels 2>&1 | tee "$OUT/prefill_kernels.log"
@@ -55,8 +53,7 @@ if has decode; then
   log "decode kernels"
   mkdir -p build
   prebuilt decode_kernels ||
-    nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc benchmarks/cuda/decode_kernels.cu \
-      -o build/decode_kernels >"$OUT/decode_build.log" 2>&1 || tail -20 "$OUT/decode_build.log"
+    build_harness decode build/decode_kernels >"$OUT/decode_build.log" 2>&1 || tail -20 "$OUT/decode_build.log"
   timeout 120 compute-sanitizer --tool memcheck build/decode_kernels --small >"$OUT/decode_memcheck.log" 2>&1
   tail -4 "$OUT/decode_memcheck.log"
   timeout 300 build/decode_kernels 2>&1 | tee "$OUT/decode_kernels.log"
@@ -64,8 +61,7 @@ fi
 if has trace; then
   log "the experts' kernel's timeline in the step chain"
   mkdir -p build
-  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc -DLILY_DECODE_TRACE benchmarks/cuda/decode_kernels.cu \
-    -o build/decode_trace >"$OUT/trace_build.log" 2>&1 || tail -20 "$OUT/trace_build.log"
+  build_harness decode build/decode_trace -DLILY_DECODE_TRACE >"$OUT/trace_build.log" 2>&1 || tail -20 "$OUT/trace_build.log"
   timeout 120 build/decode_trace --trace 2>&1 | tee "$OUT/decode_trace.log"
 fi
 if has test; then

@@ -3,7 +3,7 @@
 # `carry: [".prebuilt"]`): lily._core with the CUDA backend (~135 s there) and the two CUDA harnesses (decode and
 # prefill kernels, ~45 s each). This machine has the same nvcc (13.0), and compiling needs no GPU. The device's
 # python3 is 3.12, so the module is built against a Python 3.12 (PY312, default pyenv's). .prebuilt/sources holds
-# the tree's hash (prebuilt.sh): cuda_device.sh takes an item only where the tree it runs in hashes the same (and
+# the tree's hash (cuda_builds.sh): cuda_device.sh takes an item only where the tree it runs in hashes the same (and
 # the module only where it imports), else it builds as before.
 #
 #   bash benchmarks/cuda_prebuild.sh        # ~6 min on two cores; ~5 MB gzipped of the 64 MiB a call carries
@@ -12,17 +12,11 @@ cd "$(dirname "$0")/.."
 PY312=${PY312:-$(ls -d /root/.pyenv/versions/3.12.*/bin/python3 2>/dev/null | tail -1)}
 [ -x "$PY312" ] || { echo "no Python 3.12 (set PY312)" >&2; exit 1; }
 "$PY312" -c "import nanobind" 2>/dev/null || "$PY312" -m pip install -q "nanobind>=2.4"
-source benchmarks/prebuilt.sh
+source benchmarks/cuda_builds.sh
 B=build/device_py312
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PY312" -DLILY_METAL_EMU=OFF \
-  >/tmp/lily_prebuild.log 2>&1
+build_core "$PY312" $B "$(nproc)" >/tmp/lily_prebuild.log 2>&1 || { tail -30 /tmp/lily_prebuild.log; exit 1; }
 grep -q "CUDA backend built" /tmp/lily_prebuild.log || { echo "no CUDA compiler: nothing to prebuild" >&2; exit 1; }
-cmake --build $B -j"$(nproc)" >>/tmp/lily_prebuild.log 2>&1 || { tail -30 /tmp/lily_prebuild.log; exit 1; }
-# the harnesses as cuda_device.sh's kernels and decode steps build them
-for h in decode prefill; do
-  nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 -I csrc "benchmarks/cuda/${h}_kernels.cu" \
-    -o "$B/${h}_kernels"
-done
+for h in decode prefill; do build_harness $h "$B/${h}_kernels"; done
 rm -rf .prebuilt && mkdir .prebuilt
 so=$(cd $B && ls _core*.so)
 for f in "$so" decode_kernels prefill_kernels; do gzip -c "$B/$f" >".prebuilt/$f.gz"; done
