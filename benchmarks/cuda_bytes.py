@@ -19,8 +19,9 @@ import subprocess
 import sys
 
 PROGRAM = """
-import json, sys, numpy as np, lily
-e = lily.Engine.from_pretrained(sys.argv[1], backend="cuda", fusions=json.loads(sys.argv[3]))
+import sys, numpy as np, lily
+off = {f: False for f in sys.argv[3].split(",") if f}
+e = lily.Engine.from_pretrained(sys.argv[1], backend="cuda", fusions=off)
 ids = np.random.default_rng(0).integers(0, e.config.vocab_size, int(sys.argv[2])).tolist()
 e.generate(ids, max_tokens=4, temperature=0)
 """
@@ -31,11 +32,12 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--json", required=True)
-    ap.add_argument("--fusions", default="{}", help='Engine fusions as JSON, say \'{"route": false}\'')
+    ap.add_argument("--fusions", default="", help="decode fusions switched off, comma-separated (as cuda_ab.py)")
     args = ap.parse_args()
+    off = [f for f in args.fusions.split(",") if f]
     cmd = ["ncu", "--csv", "--cache-control", "none", "--clock-control", "none", "--graph-profiling", "node",
            "--metrics", "dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,gpu__time_duration.sum",
-           sys.executable, "-c", PROGRAM, args.model, str(args.prompt), args.fusions]
+           sys.executable, "-c", PROGRAM, args.model, str(args.prompt), ",".join(off)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rows = list(csv.DictReader(io.StringIO(out[out.index('"ID"'):])))
     kernels: dict[str, dict] = {}
@@ -66,7 +68,7 @@ def main() -> int:
         b["launches"] += 1
         b["us_alone"] += k["gpu__time_duration.sum"]
         b["dram_bytes_read"] += k["dram__bytes_read.sum"]
-    res = {"model": args.model, "fusions": json.loads(args.fusions), "context": args.prompt + len(starts) - 1,
+    res = {"model": args.model, "fusions_off": off, "context": args.prompt + len(starts) - 1,
            "kernels_per_step": len(step), "dram_bytes_read": read, "dram_bytes_written": written, "minimum": mn,
            "read_over_minimum": read / (mn["weights"] + mn["state_read"] + mn["kv_read"]),
            "us_alone": sum(k["gpu__time_duration.sum"] for k in step),

@@ -8,8 +8,7 @@
 # BUDGET: seconds from the start by which llama.cpp's jobs stop (560); END: by which the optional steps
 # (transformers, the bytes of a step) must be done (590). STAGE1: cuda_device.sh's steps before the tests
 # ("build decode"). PRE: a script run once llama.cpp's build has started, before lily is built (a kernel's A/B
-# that may change the tree, say). POST: a script run in the tree measured, after its benchmarks and before
-# llama-bench (a fusion's A/B on the full-size checkpoint, /tmp/synth-full, say).
+# that may change the tree, say).
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -32,7 +31,6 @@ fi
 el "lily tests + benchmarks in $TREE"
 (cd "$TREE" && STEPS="synth test bench lilybench" LENGTHS=512,4096 CONTEXTS=128,1024,4096 \
   bash benchmarks/cuda_device.sh 2>&1 | grep -v "^PASSED" | tail -30)
-if [ -n "${POST:-}" ]; then el "$POST"; (cd "$TREE" && bash "$POST"); fi
 el "llama.cpp"
 bash "$PEER" bench 2>&1 | tail -22
 LEFT=$(( T0 + ${END:-590} - $(date +%s) ))

@@ -6,7 +6,7 @@
 # the tree's hash (cuda_builds.sh): cuda_device.sh takes an item only where the tree it runs in hashes the same (and
 # the module only where it imports), else it builds as before.
 #
-#   bash benchmarks/cuda_prebuild.sh        # ~6 min on two cores; ~5 MB gzipped of the 64 MiB a call carries
+#   bash benchmarks/cuda_prebuild.sh        # ~2-3 min on two cores; 4.5 MB gzipped of the 64 MiB a call carries
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY312=${PY312:-$(ls -d /root/.pyenv/versions/3.12.*/bin/python3 2>/dev/null | tail -1)}

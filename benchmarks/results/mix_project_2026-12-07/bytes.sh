@@ -2,8 +2,8 @@
 # Where mix_project's loss goes (ab.txt: 408 against 530 tok/s at 4K on an H100): each kernel of a decode step
 # alone, its time and DRAM bytes (cuda_bytes.py, Nsight Compute), with the fusion on and off, into
 # $OUT/bytes_{on,off}.json. From the tree's root on a device machine; builds lily and /tmp/synth-full where absent.
-# Ran on 9d1a15c, where the switch existed (2026-12-08, H100): ab.txt / bytes_{on,off}.json. The fusion lost
-# (408 against 530 tok/s) and was taken out of the tree afterwards, so these scripts need a checkout of 9d1a15c.
+# Ran on 9d1a15c, where the switch existed (2026-12-08, H100), with cuda_bytes.py's --fusions then taking JSON
+# (it now takes the names switched off, as cuda_ab.py does). The fusion lost and was taken out afterwards.
 set -u
 ls src/lily/_core*.so >/dev/null 2>&1 || STEPS=build bash benchmarks/cuda_device.sh 2>&1 | tail -3
 if [ ! -f /tmp/synth-full/.complete ]; then
